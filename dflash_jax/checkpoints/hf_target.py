@@ -1,0 +1,77 @@
+"""Hugging Face target checkpoints (config.json + safetensors) <-> ``TargetModel`` params."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.checkpoints.safetensors_io import (
+    CheckpointError,
+    SafetensorsDir,
+    load_params,
+    param_path_to_key,
+    params_to_tensors,
+    save_tensors,
+)
+from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.target import TargetModel
+
+DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+          "float16": jnp.float16, "fp16": jnp.float16}
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+        return DTYPES[dtype]
+    return dtype
+
+
+def abstract_target_params(config: TargetConfig, dtype: Any = jnp.float32) -> dict:
+    model = TargetModel(config, dtype)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, tokens))["params"]
+
+
+def target_key_of(prefix: str):
+    def key_of(path: tuple[str, ...]) -> str:
+        key, _ = param_path_to_key(path)
+        return key if path[0] == "lm_head" else prefix + key
+
+    return key_of
+
+
+def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False) -> tuple[TargetConfig, dict]:
+    """Load a Hugging Face LLaMA/Qwen2/Qwen3 directory into ``(config, params)``.
+
+    Keys may carry the ``model.`` prefix (``*ForCausalLM`` checkpoints) or not (bare ``*Model``).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: target checkpoint directory not found")
+    config = TargetConfig.from_json(path / "config.json")
+    dtype = resolve_dtype(dtype)
+    source = SafetensorsDir(path)
+    prefix = "model." if any(k.startswith("model.") for k in source.keys()) else ""
+    abstract = abstract_target_params(config, dtype)
+    params = load_params(source, abstract, target_key_of(prefix), dtype=dtype, progress=progress)
+    return config, params
+
+
+def save_target(config: TargetConfig, params: dict, out_dir: str | Path, dtype: Any = None) -> Path:
+    """Write a Hugging Face directory (``model.`` prefixed keys, 4.x-style config) loadable by transformers."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = resolve_dtype(dtype) if dtype is not None else None
+    tensors = params_to_tensors(params, target_key_of("model."), dtype=dtype)
+    save_tensors(tensors, out_dir)
+    cfg = config.to_hf_dict()
+    any_leaf = next(iter(tensors.values()))
+    cfg["torch_dtype"] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}[str(any_leaf.dtype)]
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir

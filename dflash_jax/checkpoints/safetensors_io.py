@@ -1,0 +1,218 @@
+"""safetensors directories <-> nested parameter dicts.
+
+Parameter paths mirror Hugging Face key names, so the mapping is mechanical: ``layers_3/self_attn/q_proj/kernel``
+is ``layers.3.self_attn.q_proj.weight`` stored transposed (PyTorch linear weights are ``[out, in]``), and
+``embed_tokens/embedding`` is ``embed_tokens.weight``. Only safetensors are read: pickle-based ``.bin``/``.pt``
+weights can execute code on load and are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import jax
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tqdm.auto import tqdm
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked; the message names the file and the key."""
+
+
+def param_path_to_key(path: tuple[str, ...]) -> tuple[str, bool]:
+    """``('layers_0', 'mlp', 'up_proj', 'kernel')`` -> ``('layers.0.mlp.up_proj.weight', transpose=True)``."""
+    parts = [re.sub(r"^(layers)_(\d+)$", r"\1.\2", p) for p in path[:-1]]
+    leaf = path[-1]
+    transpose = leaf == "kernel"
+    parts.append({"kernel": "weight", "embedding": "weight"}.get(leaf, leaf))
+    return ".".join(parts), transpose
+
+
+def flatten(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    out: dict[tuple[str, ...], Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out.update(flatten(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def unflatten(flat: Mapping[tuple[str, ...], Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, v in flat.items():
+        node = out
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = v
+    return out
+
+
+class SafetensorsDir:
+    """Index of a safetensors checkpoint: a single ``.safetensors`` file, a directory holding
+    ``model.safetensors``, or a sharded directory with ``model.safetensors.index.json``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.key_to_file: dict[str, Path] = {}
+        if self.path.is_file():
+            if self.path.suffix != ".safetensors":
+                raise CheckpointError(f"{self.path}: only .safetensors weights are accepted")
+            files = [self.path]
+        elif self.path.is_dir():
+            files = self._files_of_dir()
+        else:
+            raise CheckpointError(f"{self.path}: checkpoint not found")
+        for f in files:
+            try:
+                with safe_open(str(f), framework="numpy") as handle:
+                    for key in handle.keys():
+                        self.key_to_file[key] = f
+            except Exception as e:  # safetensors raises several types for corrupt headers
+                raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+        self._handles: dict[Path, Any] = {}
+
+    def _files_of_dir(self) -> list[Path]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: malformed index ({e})") from None
+            files = sorted({self.path / name for name in weight_map.values()})
+            for f in files:
+                if not f.is_file():
+                    raise CheckpointError(f"{index}: shard {f.name} is listed but missing")
+            return files
+        single = self.path / SINGLE_FILE
+        if single.is_file():
+            return [single]
+        others = sorted(self.path.glob("*.safetensors"))
+        if others:
+            return others
+        pickled = [n for n in PICKLE_NAMES if (self.path / n).exists()]
+        if pickled or list(self.path.glob("*.bin")) or list(self.path.glob("*.pt")):
+            raise CheckpointError(
+                f"{self.path}: only pickle-based weights found ({', '.join(pickled) or '*.bin/*.pt'}); these can "
+                "run code when loaded and are refused. Convert them to safetensors first."
+            )
+        raise CheckpointError(f"{self.path}: no .safetensors weights found")
+
+    def keys(self) -> list[str]:
+        return list(self.key_to_file)
+
+    def file_of(self, key: str) -> Path:
+        return self.key_to_file[key]
+
+    def get(self, key: str) -> np.ndarray:
+        f = self.key_to_file[key]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="numpy")
+        return self._handles[f].get_tensor(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        f = self.key_to_file[key]
+        if f not in self._handles:
+            self._handles[f] = safe_open(str(f), framework="numpy")
+        return tuple(self._handles[f].get_slice(key).get_shape())
+
+
+def load_params(
+    source: SafetensorsDir,
+    abstract_params: Mapping[str, Any],
+    key_of: Callable[[tuple[str, ...]], str],
+    dtype: Any = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Fill the tree of ``abstract_params`` (shapes from ``jax.eval_shape``) from ``source``.
+
+    ``key_of(path)`` names the stored key of a param path. Every param must be present with the right
+    shape; the error names the key, the file and both shapes. ``dtype=None`` keeps the stored dtype.
+    """
+    flat = flatten(abstract_params)
+    out: dict[tuple[str, ...], Any] = {}
+    missing = []
+    for path, leaf in tqdm(flat.items(), desc=f"loading {source.path.name}", disable=not progress, unit="tensor"):
+        key = key_of(path)
+        _, transpose = param_path_to_key(path)
+        if key not in source.key_to_file:
+            missing.append(key)
+            continue
+        stored_shape = source.shape(key)
+        want = tuple(leaf.shape)
+        if (stored_shape[::-1] if transpose else stored_shape) != want:
+            expected = want[::-1] if transpose else want
+            raise CheckpointError(
+                f"{source.file_of(key)}: tensor {key!r} has shape {list(stored_shape)}, expected {list(expected)}"
+            )
+        arr = source.get(key)
+        if transpose:
+            arr = np.ascontiguousarray(arr.T)
+        out[path] = jax.numpy.asarray(arr, dtype=dtype or arr.dtype)
+    if missing:
+        shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise CheckpointError(f"{source.path}: missing {len(missing)} tensor(s): {shown}")
+    return unflatten(out)
+
+
+def params_to_tensors(
+    params: Mapping[str, Any], key_of: Callable[[tuple[str, ...]], str], dtype: Any = None
+) -> dict[str, np.ndarray]:
+    """The inverse of :func:`load_params`: ``{stored key: [out, in] numpy array}``."""
+    tensors = {}
+    for path, leaf in flatten(params).items():
+        _, transpose = param_path_to_key(path)
+        arr = np.asarray(leaf)
+        if transpose:
+            arr = arr.T
+        if dtype is not None:
+            arr = arr.astype(dtype)
+        tensors[key_of(path)] = np.ascontiguousarray(arr)
+    return tensors
+
+
+def save_tensors(
+    tensors: Mapping[str, np.ndarray], out_dir: str | Path, max_shard_bytes: int = 5 * 2**30,
+    metadata: Mapping[str, str] | None = None, progress: bool = False,
+) -> list[Path]:
+    """Write ``model.safetensors`` (or shards plus an index when larger than ``max_shard_bytes``)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        arr = tensors[key]
+        if size and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = arr
+        size += arr.nbytes
+    meta = {"format": "pt", **(metadata or {})}
+    if len(shards) == 1:
+        path = out_dir / SINGLE_FILE
+        save_file(shards[0], str(path), metadata=meta)
+        return [path]
+    paths, weight_map = [], {}
+    for i, shard in enumerate(tqdm(shards, desc="writing shards", disable=not progress)):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / name), metadata=meta)
+        weight_map.update({k: name for k in shard})
+        paths.append(out_dir / name)
+    total = sum(a.nbytes for a in tensors.values())
+    (out_dir / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+    return paths
+
+
+def iter_keys(paths: Iterable[tuple[str, ...]], key_of: Callable[[tuple[str, ...]], str]) -> list[str]:
+    return [key_of(p) for p in paths]

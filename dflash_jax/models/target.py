@@ -1,0 +1,160 @@
+"""The target decoder: LLaMA-2/3.x, Qwen2/2.5 and Qwen3 as flags of one pure Flax module.
+
+``TargetModel.apply({'params': p}, tokens, positions, cache=..., feature_layers=(...))`` runs prefill or a
+multi-token extension in one call and returns the logits, the requested layers' hidden features (the output
+of decoder block ``i``, before any final norm: Hugging Face's ``hidden_states[i + 1]``) and the new cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
+from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.layers import MLP, RMSNorm, apply_rope, attention, rope_inv_freq, write_rows
+
+
+class TargetOutput(NamedTuple):
+    logits: jax.Array | None  # [B, T, V] or [B, K, V] with ``logits_at``; None when ``skip_logits``
+    features: jax.Array | None  # [B, T, len(feature_layers) * H], layers concatenated in the order asked
+    cache: KVCache | None
+
+
+class TargetAttention(nn.Module):
+    config: TargetConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache_kv=None, slots=None):
+        cfg = self.config
+        b, t, _ = x.shape
+        dense = lambda n, bias, name: nn.Dense(  # noqa: E731
+            n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name
+        )
+        q = dense(cfg.num_attention_heads * cfg.head_dim, cfg.qkv_bias, "q_proj")(x)
+        k = dense(cfg.num_key_value_heads * cfg.head_dim, cfg.qkv_bias, "k_proj")(x)
+        v = dense(cfg.num_key_value_heads * cfg.head_dim, cfg.qkv_bias, "v_proj")(x)
+        q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="k_norm")(k)
+        inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        if cache_kv is not None:
+            k_all = write_rows(cache_kv[0], k, slots)
+            v_all = write_rows(cache_kv[1], v, slots)
+            new_kv = (k_all, v_all)
+        else:
+            k_all, v_all, new_kv = k, v, None
+        out = attention(q, k_all, v_all, mask)
+        out = dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out.reshape(b, t, -1))
+        return out, new_kv
+
+
+class DecoderLayer(nn.Module):
+    config: TargetConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, positions, mask, cache_kv=None, slots=None):
+        cfg = self.config
+        h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="input_layernorm")(x)
+        attn, new_kv = TargetAttention(cfg, self.dtype, name="self_attn")(h, positions, mask, cache_kv, slots)
+        x = x + attn
+        h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="post_attention_layernorm")(x)
+        x = x + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.dtype, name="mlp")(h)
+        return x, new_kv
+
+
+class TargetModel(nn.Module):
+    """Parameters: ``embed_tokens/embedding``, ``layers_{i}/...``, ``norm/weight``, ``lm_head/kernel``
+    (absent when the head is tied to the embedding)."""
+
+    config: TargetConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        cfg = self.config
+        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
+        self.layers = [DecoderLayer(cfg, self.dtype) for _ in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        return self.embed_tokens(tokens)
+
+    def head(self, hidden: jax.Array) -> jax.Array:
+        """Final norm then the output head (tied or not): logits from pre-norm hidden states."""
+        x = self.norm(hidden)
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.attend(x)
+        return self.lm_head(x)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        cache: KVCache | None = None,
+        valid: jax.Array | None = None,
+        feature_layers: Sequence[int] = (),
+        logits_at: jax.Array | None = None,
+        skip_logits: bool = False,
+    ) -> TargetOutput:
+        """Run ``tokens [B, T]`` at absolute ``positions [B, T]``.
+
+        With a ``cache``, each valid token's key/value is written at slot = its position, and queries see
+        every slot at or before their position and below the row's new length. Without a cache the tokens
+        see each other causally by position (a plain full forward). ``valid [B, T]`` marks real tokens
+        (padding is neither written nor attended to). ``logits_at [B, K]`` selects token indices for the
+        head, which saves the ``[B, T, V]`` logits of a long prefill.
+        """
+        if valid is None:
+            valid = jnp.ones(tokens.shape, bool)
+        x = self.embed(tokens)
+        if cache is not None:
+            slots = write_slots(positions, valid, cache.num_slots)
+            new_lengths = lengths_after_write(cache.lengths, positions, valid)
+            key_slot = jnp.arange(cache.num_slots)[None, None, :]
+            mask = (key_slot <= positions[:, :, None]) & (key_slot < new_lengths[:, None, None])
+        else:
+            slots = None
+            mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
+        features, new_keys, new_values = {}, [], []
+        for i, layer in enumerate(self.layers):
+            kv = (cache.keys[i], cache.values[i]) if cache is not None else None
+            x, new_kv = layer(x, positions, mask, kv, slots)
+            if new_kv is not None:
+                new_keys.append(new_kv[0])
+                new_values.append(new_kv[1])
+            features[i] = x
+        feats = jnp.concatenate([features[i] for i in feature_layers], axis=-1) if feature_layers else None
+        logits = None
+        if not skip_logits:
+            if logits_at is not None:
+                x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
+            logits = self.head(x)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(tuple(new_keys), tuple(new_values), new_lengths)
+        return TargetOutput(logits, feats, new_cache)
+
+
+def init_cache(config: TargetConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
+    return KVCache.create(config.num_hidden_layers, batch, slots, config.num_key_value_heads, config.head_dim, dtype)
+
+
+def check_feature_layers(config: TargetConfig, layers: Sequence[int]) -> tuple[int, ...]:
+    for i in layers:
+        if not 0 <= int(i) < config.num_hidden_layers:
+            raise ValueError(
+                f"feature layer {i} is out of range for a target with {config.num_hidden_layers} layers"
+            )
+    return tuple(int(i) for i in layers)

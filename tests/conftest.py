@@ -1,0 +1,21 @@
+"""Shared test settings: fp32 CPU JAX, and the location of the shared real test data."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def shared_file(*parts: str) -> Path:
+    """A file of ../shared/data, or a clean skip when the folder is absent on this machine."""
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"shared test data not available: {path.name}")
+    return path

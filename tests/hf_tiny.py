@@ -1,0 +1,38 @@
+"""Tiny random Hugging Face targets saved with ``save_pretrained``, used as independent references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=97, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+VARIANTS = {
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32}, rope_theta=500000.0)),
+    "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen3_untied": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=False)),
+    "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+}
+
+
+def make_hf_target(variant: str, out_dir: Path, seed: int = 0, **overrides):
+    """Build, randomise (norm weights and biases too, so they are exercised) and save a tiny HF model."""
+    import torch
+    import transformers
+
+    cfg_cls, model_cls, extra = VARIANTS[variant]
+    cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    return model
