@@ -1,0 +1,96 @@
+"""Official DFlash draft directories (``config.json`` + safetensors without ``model.`` prefix) <-> params.
+
+The exported layout is the one the reference code, SGLang and vLLM load: keys ``fc.weight``,
+``hidden_norm.weight``, ``norm.weight`` and ``layers.{i}....``, linear weights ``[out, in]``, no embedding and
+no head (the draft borrows the target's).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.checkpoints.hf_target import resolve_dtype
+from dflash_jax.checkpoints.safetensors_io import (
+    CheckpointError,
+    SafetensorsDir,
+    load_params,
+    param_path_to_key,
+    params_to_tensors,
+    save_tensors,
+)
+from dflash_jax.models.draft import DraftModel, SharedHead, init_draft_cache
+from dflash_jax.models.draft_config import DraftConfig
+
+
+def draft_key_of(path: tuple[str, ...]) -> str:
+    return param_path_to_key(path)[0]
+
+
+def abstract_draft_params(config: DraftConfig, dtype: Any = jnp.float32) -> dict:
+    """Parameter shapes without allocating anything (works for the 8B pairing on any machine)."""
+    model = DraftModel(config, dtype)
+    b, t = 1, 2
+    tokens = jnp.zeros((b, t), jnp.int32)
+    feats = jnp.zeros((b, 1, config.num_features * config.hidden_size), dtype)
+    shared = SharedHead(jnp.zeros((config.vocab_size, config.hidden_size), dtype), None)
+
+    def init():
+        cache = init_draft_cache(config, b, 4, dtype)
+        return model.init(jax.random.PRNGKey(0), tokens, tokens, feats, tokens[:, :1], tokens[:, :1] >= 0,
+                          cache, shared)
+
+    return jax.eval_shape(init)["params"]
+
+
+def init_draft_params(config: DraftConfig, seed: int = 0, dtype: Any = jnp.float32) -> dict:
+    """Random draft params (Flax default initialisers); the starting point of training."""
+    abstract = abstract_draft_params(config, dtype)
+    leaves, treedef = jax.tree.flatten(abstract)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    out = []
+    for key, (path, leaf) in zip(keys, jax.tree_util.tree_flatten_with_path(abstract)[0]):
+        name = getattr(path[-1], "key", "")
+        if name == "weight":  # norms start at one
+            out.append(jnp.ones(leaf.shape, leaf.dtype))
+        elif name == "bias":
+            out.append(jnp.zeros(leaf.shape, leaf.dtype))
+        else:
+            fan_in = leaf.shape[0]
+            out.append((jax.random.normal(key, leaf.shape, jnp.float32) * fan_in**-0.5).astype(leaf.dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def load_draft(path: str | Path, dtype: Any = None, progress: bool = False) -> tuple[DraftConfig, dict]:
+    """Load an official draft directory. ``dtype=None`` keeps the stored dtype (needed for bit-exact export)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: draft checkpoint directory not found")
+    config = DraftConfig.from_json(path / "config.json")
+    source = SafetensorsDir(path)
+    prefixed = [k for k in source.keys() if k.startswith("model.")]
+    if prefixed:
+        raise CheckpointError(
+            f"{source.file_of(prefixed[0])}: key {prefixed[0]!r} has a 'model.' prefix; official drafts store "
+            "bare keys (is this a target checkpoint?)"
+        )
+    dtype = resolve_dtype(dtype) if dtype is not None else None
+    abstract = abstract_draft_params(config, dtype or jnp.float32)
+    params = load_params(source, abstract, draft_key_of, dtype=dtype, progress=progress)
+    return config, params
+
+
+def save_draft(config: DraftConfig, params: dict, out_dir: str | Path, dtype: Any = None) -> Path:
+    """Export to the official layout; ``dtype`` (e.g. ``"bfloat16"``) casts on the way out."""
+    out_dir = Path(out_dir)
+    dtype = resolve_dtype(dtype) if dtype is not None else None
+    tensors = params_to_tensors(params, draft_key_of, dtype=dtype)
+    save_tensors(tensors, out_dir)
+    cfg = config.to_official_dict()
+    cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir

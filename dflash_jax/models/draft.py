@@ -1,0 +1,195 @@
+"""The DFlash draft: a small non-causal transformer whose every layer also attends to the target's features.
+
+One forward takes the raw target features of the newly verified positions, fuses them
+(``hidden_norm(fc(concat))``), turns them into each layer's context keys/values (stored, after RoPE, in a
+preallocated per-row cache), and predicts a whole block ``[anchor, mask, ..., mask]`` at once. Block
+keys/values are transient. The token embedding and the output head are the target's, passed in as arrays
+at call time: the draft's params hold exactly what the official checkpoint holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
+from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.layers import MLP, RMSNorm, apply_rope, attention, rope_inv_freq, write_rows
+
+
+class SharedHead(NamedTuple):
+    """The target's frozen token embedding ``[V, H]`` and output head kernel ``[H, V]`` (None when tied)."""
+
+    embedding: jax.Array
+    head_kernel: jax.Array | None
+
+
+class DraftOutput(NamedTuple):
+    logits: jax.Array  # [B, block, V] (position 0, the anchor, is meaningless; callers drop it)
+    cache: KVCache | None
+
+
+def context_mask(block_positions: jax.Array, key_positions: jax.Array, key_valid: jax.Array,
+                 window: int | None) -> jax.Array:
+    """Which context keys each block query sees: verified positions strictly before the anchor, and within
+    the sliding window (``q_pos - k_pos < window``) for sliding layers. Shapes ``[B, T]``, ``[B, S]`` ->
+    ``[B, T, S]``."""
+    start = block_positions[:, :1, None]
+    mask = key_valid[:, None, :] & (key_positions[:, None, :] < start)
+    mask = jnp.broadcast_to(mask, block_positions.shape + key_positions.shape[-1:])
+    if window is not None:
+        mask &= block_positions[:, :, None] - key_positions[:, None, :] < window
+    return mask
+
+
+def block_mask(block_positions: jax.Array, window: int | None) -> jax.Array:
+    """Block tokens see each other bidirectionally (limited by the window on sliding layers)."""
+    b, t = block_positions.shape
+    mask = jnp.ones((b, t, t), bool)
+    if window is not None:
+        mask &= block_positions[:, :, None] - block_positions[:, None, :] < window
+    return mask
+
+
+class DraftAttention(nn.Module):
+    config: DraftConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        cfg = self.config
+        dense = lambda n: nn.Dense(n, use_bias=cfg.attention_bias, dtype=self.dtype, param_dtype=self.dtype)  # noqa
+        self.q_proj = dense(cfg.num_attention_heads * cfg.head_dim)
+        self.k_proj = dense(cfg.num_key_value_heads * cfg.head_dim)
+        self.v_proj = dense(cfg.num_key_value_heads * cfg.head_dim)
+        self.o_proj = dense(cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
+        self.k_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
+
+    def keys_values(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Roped, normed keys and plain values of ``x [B, T, H]``; used for context and block alike."""
+        cfg = self.config
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim))
+        v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        return apply_rope(k, positions, rope_inv_freq(cfg.rope, cfg.head_dim)), v
+
+    def __call__(self, h, block_positions, ctx_keys, ctx_values, ctx_mask, blk_mask):
+        """``ctx_keys/values [B, S, KV, D]`` are already roped; masks are ``[B, T, S]`` and ``[B, T, T]``."""
+        cfg = self.config
+        b, t, _ = h.shape
+        q = self.q_norm(self.q_proj(h).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))
+        q = apply_rope(q, block_positions, rope_inv_freq(cfg.rope, cfg.head_dim))
+        k_blk, v_blk = self.keys_values(h, block_positions)
+        keys = jnp.concatenate([ctx_keys, k_blk.astype(ctx_keys.dtype)], axis=1)
+        values = jnp.concatenate([ctx_values, v_blk.astype(ctx_values.dtype)], axis=1)
+        out = attention(q, keys, values, jnp.concatenate([ctx_mask, blk_mask], axis=-1))
+        return self.o_proj(out.reshape(b, t, -1))
+
+
+class DraftLayer(nn.Module):
+    config: DraftConfig
+    window: int | None = None
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        cfg = self.config
+        self.input_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
+        self.self_attn = DraftAttention(cfg, self.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
+        self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.dtype)
+
+    def context_kv(self, ctx: jax.Array, positions: jax.Array):
+        """Context is memory only: no input norm, no query, no MLP."""
+        return self.self_attn.keys_values(ctx, positions)
+
+    def __call__(self, x, block_positions, ctx_keys, ctx_values, ctx_mask, blk_mask):
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, block_positions, ctx_keys, ctx_values, ctx_mask, blk_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftModel(nn.Module):
+    """Params: ``fc/kernel``, ``hidden_norm/weight``, ``layers_{i}/...``, ``norm/weight`` (official keys)."""
+
+    config: DraftConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        cfg = self.config
+        self.fc = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+        self.hidden_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
+        self.layers = [
+            DraftLayer(cfg, cfg.sliding_window if kind == "sliding_attention" else None, self.dtype)
+            for kind in cfg.layer_types
+        ]
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
+
+    def fuse(self, features: jax.Array) -> jax.Array:
+        """Raw concatenated target features ``[..., n*H]`` -> the fused context feature ``[..., H]``."""
+        return self.hidden_norm(self.fc(features.astype(self.dtype)))
+
+    def embed_block(self, tokens: jax.Array, shared: SharedHead) -> jax.Array:
+        x = jnp.take(shared.embedding, tokens, axis=0).astype(self.dtype)
+        scale = self.config.input_embedding_scale
+        return x * scale if scale != 1.0 else x
+
+    def logits(self, x: jax.Array, shared: SharedHead) -> jax.Array:
+        cfg = self.config
+        x = self.norm(x)
+        if shared.head_kernel is None:
+            logits = jnp.einsum("bth,vh->btv", x, shared.embedding.astype(x.dtype))
+        else:
+            logits = x @ shared.head_kernel.astype(x.dtype)
+        if cfg.output_multiplier != 1.0:
+            logits = logits * cfg.output_multiplier
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = cap * jnp.tanh(logits / cap)
+        return logits
+
+    def __call__(
+        self,
+        block_tokens: jax.Array,
+        block_positions: jax.Array,
+        ctx_features: jax.Array,
+        ctx_positions: jax.Array,
+        ctx_valid: jax.Array,
+        cache: KVCache,
+        shared: SharedHead,
+    ) -> DraftOutput:
+        """One inference forward.
+
+        ``ctx_features [B, Tc, n*H]`` are the raw target features of the newly verified positions
+        ``ctx_positions [B, Tc]`` (``ctx_valid`` marks real ones); their keys/values are written into
+        ``cache`` at slot = position. The block ``[B, T]`` at ``block_positions`` then attends to every
+        cached context slot before its anchor plus the whole block.
+        """
+        ctx = self.fuse(ctx_features)
+        slots = write_slots(ctx_positions, ctx_valid, cache.num_slots)
+        new_lengths = lengths_after_write(cache.lengths, ctx_positions, ctx_valid)
+        key_positions = jnp.broadcast_to(jnp.arange(cache.num_slots)[None], (block_tokens.shape[0], cache.num_slots))
+        key_valid = key_positions < new_lengths[:, None]
+        x = self.embed_block(block_tokens, shared)
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            k_ctx, v_ctx = layer.context_kv(ctx, ctx_positions)
+            keys = write_rows(cache.keys[i], k_ctx, slots)
+            values = write_rows(cache.values[i], v_ctx, slots)
+            new_keys.append(keys)
+            new_values.append(values)
+            ctx_m = context_mask(block_positions, key_positions, key_valid, layer.window)
+            x = layer(x, block_positions, keys, values, ctx_m, block_mask(block_positions, layer.window))
+        return DraftOutput(self.logits(x, shared), KVCache(tuple(new_keys), tuple(new_values), new_lengths))
+
+
+def init_draft_cache(config: DraftConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
+    return KVCache.create(config.num_hidden_layers, batch, slots, config.num_key_value_heads, config.head_dim, dtype)
+
+
+def shared_head(target_params: dict, tied: bool) -> SharedHead:
+    """Borrow (not copy) the target's embedding and head from its params."""
+    head = None if tied else target_params["lm_head"]["kernel"]
+    return SharedHead(target_params["embed_tokens"]["embedding"], head)

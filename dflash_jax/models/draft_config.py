@@ -1,0 +1,201 @@
+"""The official DFlash draft ``config.json``: parsing, defaults, validation against a target, export.
+
+Field placement differs between released checkpoints: DFlash fields (``target_layer_ids``,
+``mask_token_id``, ``block_size``, ...) are read from the nested ``dflash_config`` first, then top level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from dflash_jax.models.config import ConfigError, RopeConfig, TargetConfig, parse_rope, require, rope_to_hf
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """Evenly spread feature layers, skipping the first and the last few (the reference rule; Python's
+    ``round`` is half-to-even, which decides e.g. L=24, n=5)."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = (num_target_layers - 4) / (num_draft_layers - 1)
+    return tuple(int(round(1 + i * span)) for i in range(num_draft_layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    vocab_size: int
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    max_position_embeddings: int = 40960
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    model_type: str = "qwen3"
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any], source: str = "draft config") -> "DraftConfig":
+        nested = cfg.get("dflash_config") or {}
+        if not isinstance(nested, Mapping):
+            raise ConfigError(f"{source}: 'dflash_config' must be an object")
+
+        def dflash(key: str, default: Any = None) -> Any:
+            if key in nested and nested[key] is not None:
+                return nested[key]
+            return cfg.get(key, default)
+
+        merged = {**cfg, **{k: v for k, v in nested.items() if v is not None}}
+        hidden = require(cfg, "hidden_size", source)
+        layers = require(cfg, "num_hidden_layers", source)
+        heads = require(cfg, "num_attention_heads", source)
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if kv_heads <= 0 or heads % kv_heads:
+            raise ConfigError(
+                f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+            )
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        num_target_layers = require(merged, "num_target_layers", source)
+        ids = dflash("target_layer_ids")
+        if ids is None:
+            ids = default_target_layer_ids(num_target_layers, layers)
+        if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) for i in ids):
+            raise ConfigError(f"{source}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
+        mask_id = dflash("mask_token_id")
+        if mask_id is None:
+            raise ConfigError(f"{source}: missing required field 'mask_token_id' (in dflash_config or top level)")
+        block = require(merged, "block_size", source)
+        if block < 2:
+            raise ConfigError(f"{source}: block_size must be at least 2, got {block}")
+        layer_types = tuple(cfg.get("layer_types") or ("full_attention",) * layers)
+        if len(layer_types) != layers:
+            raise ConfigError(
+                f"{source}: layer_types has {len(layer_types)} entries but num_hidden_layers is {layers}"
+            )
+        for t in layer_types:
+            if t not in LAYER_TYPES:
+                raise ConfigError(f"{source}: layer type {t!r} is not one of {', '.join(LAYER_TYPES)}")
+        window = cfg.get("sliding_window")
+        if "sliding_attention" in layer_types and (not isinstance(window, int) or window <= 0):
+            raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window, got {window!r}")
+        cap = dflash("final_logit_softcapping")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        return cls(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=require(cfg, "intermediate_size", source),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=parse_rope(cfg, source),
+            vocab_size=require(cfg, "vocab_size", source),
+            block_size=block,
+            num_target_layers=num_target_layers,
+            target_layer_ids=tuple(int(i) for i in ids),
+            mask_token_id=int(mask_id),
+            layer_types=layer_types,
+            sliding_window=int(window) if window else None,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+            input_embedding_scale=float(dflash("input_embedding_scale", 1.0)),
+            output_multiplier=float(dflash("output_multiplier", 1.0)),
+            final_logit_softcapping=float(cap) if cap else None,
+            model_type=str(cfg.get("model_type", "qwen3")),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "DraftConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: draft config file not found")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{path}: expected a JSON object")
+        return cls.from_dict(cfg, source=str(path))
+
+    def to_official_dict(self) -> dict[str, Any]:
+        """The official ``config.json`` layout (``architectures: [DFlashDraftModel]``, nested ``dflash_config``)."""
+        out: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": self.model_type,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {
+                "target_layer_ids": list(self.target_layer_ids),
+                "mask_token_id": self.mask_token_id,
+            },
+        }
+        out.update(rope_to_hf(self.rope))
+        if self.input_embedding_scale != 1.0:
+            out["dflash_config"]["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            out["dflash_config"]["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            out["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
+        return out
+
+    def validate_against(self, target: TargetConfig, source: str = "draft config") -> None:
+        """Refuse a draft that cannot run on ``target``; each message names the field and both values."""
+        if self.hidden_size != target.hidden_size:
+            raise ConfigError(
+                f"{source}: draft hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}"
+            )
+        for i in self.target_layer_ids:
+            if not 0 <= i < target.num_hidden_layers:
+                raise ConfigError(
+                    f"{source}: target_layer_ids contains {i}, outside the target's "
+                    f"{target.num_hidden_layers} layers (valid 0..{target.num_hidden_layers - 1})"
+                )
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ConfigError(
+                f"{source}: mask_token_id {self.mask_token_id} is outside the target's embedding table "
+                f"(vocab_size {target.vocab_size})"
+            )
+        if self.num_target_layers != target.num_hidden_layers:
+            raise ConfigError(
+                f"{source}: num_target_layers {self.num_target_layers} != target num_hidden_layers "
+                f"{target.num_hidden_layers}"
+            )
