@@ -167,22 +167,27 @@ class DraftModel(nn.Module):
         ``cache`` at slot = position. The block ``[B, T]`` at ``block_positions`` then attends to every
         cached context slot before its anchor plus the whole block.
         """
+        cache = self.write_context(ctx_features, ctx_positions, ctx_valid, cache)
+        key_positions = jnp.broadcast_to(jnp.arange(cache.num_slots)[None], (block_tokens.shape[0], cache.num_slots))
+        key_valid = key_positions < cache.lengths[:, None]
+        x = self.embed_block(block_tokens, shared)
+        for i, layer in enumerate(self.layers):
+            ctx_m = context_mask(block_positions, key_positions, key_valid, layer.window)
+            x = layer(x, block_positions, cache.keys[i], cache.values[i], ctx_m, block_mask(block_positions, layer.window))
+        return DraftOutput(self.logits(x, shared), cache)
+
+    def write_context(self, ctx_features: jax.Array, ctx_positions: jax.Array, ctx_valid: jax.Array,
+                      cache: KVCache) -> KVCache:
+        """Fuse raw target features and store every layer's context keys/values at slot = position."""
         ctx = self.fuse(ctx_features)
         slots = write_slots(ctx_positions, ctx_valid, cache.num_slots)
-        new_lengths = lengths_after_write(cache.lengths, ctx_positions, ctx_valid)
-        key_positions = jnp.broadcast_to(jnp.arange(cache.num_slots)[None], (block_tokens.shape[0], cache.num_slots))
-        key_valid = key_positions < new_lengths[:, None]
-        x = self.embed_block(block_tokens, shared)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.context_kv(ctx, ctx_positions)
-            keys = write_rows(cache.keys[i], k_ctx, slots)
-            values = write_rows(cache.values[i], v_ctx, slots)
-            new_keys.append(keys)
-            new_values.append(values)
-            ctx_m = context_mask(block_positions, key_positions, key_valid, layer.window)
-            x = layer(x, block_positions, keys, values, ctx_m, block_mask(block_positions, layer.window))
-        return DraftOutput(self.logits(x, shared), KVCache(tuple(new_keys), tuple(new_values), new_lengths))
+            new_keys.append(write_rows(cache.keys[i], k_ctx, slots))
+            new_values.append(write_rows(cache.values[i], v_ctx, slots))
+        lengths = lengths_after_write(cache.lengths, ctx_positions, ctx_valid)
+        return KVCache(tuple(new_keys), tuple(new_values), lengths)
 
 
 def init_draft_cache(config: DraftConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:

@@ -1,0 +1,238 @@
+"""On-device generation: prefill, then every round inside one ``lax.while_loop`` (SPEC section 5).
+
+The same program runs DFlash (a draft proposer, block B) and the autoregressive baseline (``NoProposer``,
+block 1): a round verifies ``[anchor, d_1 .. d_K]`` with the target, accepts a prefix, commits it plus the
+target's own next token, and rolls the cache back by lowering lengths. Rows are independent: each has its
+own anchor, position, acceptance and done flag; finished rows keep computing but stop advancing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.engine.sampling import SamplingConfig, accept_greedy, accept_sampling, select
+from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.target import TargetModel, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+    max_new_tokens: int
+    sampling: SamplingConfig = SamplingConfig()
+    stop_tokens: tuple[int, ...] = ()
+    record_drafts: bool = False  # keep every round's proposals (tests recompute acceptance from them)
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+class LoopState(NamedTuple):
+    key: jax.Array
+    cache: Any  # target KVCache
+    proposer: Any  # proposer state pytree
+    ctx: tuple  # (features [B, Bk, F], positions [B, Bk], valid [B, Bk]) verified last round
+    anchor: jax.Array  # [B] the last committed token, not yet in the target cache
+    start: jax.Array  # [B] its position
+    out: jax.Array  # [B, max_new + Bk] committed tokens
+    num_out: jax.Array  # [B]
+    done: jax.Array  # [B]
+    rounds: jax.Array  # [B] rounds taken while active
+    accept: jax.Array  # [B, max_new] acceptance length (accepted drafts + 1) of each round
+    drafts: jax.Array  # [B, max_new, K] proposals per round (or [B, 1, K] when not recorded)
+    step: jax.Array  # scalar round counter
+
+
+def _is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
+    if not stop_tokens:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(stop_tokens, jnp.int32))
+
+
+def prefill(
+    target_config: TargetConfig, proposer, settings: DecodeSettings, slots: int,
+    target_params: dict, proposer_state: Any, prompts: jax.Array, lengths: jax.Array, key: jax.Array,
+    dtype: Any = jnp.float32,
+) -> LoopState:
+    """Run the target over right-padded ``prompts [B, P]`` (``lengths [B]``), produce the first token and
+    hand the prompt's features to the proposer."""
+    b, p = prompts.shape
+    block = proposer.block_size
+    target = TargetModel(target_config, dtype)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
+    valid = positions < lengths[:, None]
+    cache = init_cache(target_config, b, slots, dtype)
+    out = target.apply({"params": target_params}, prompts, positions, cache, valid,
+                       feature_layers=proposer.feature_layers, logits_at=(lengths - 1)[:, None])
+    key, k_first = jax.random.split(key)
+    first = select(k_first, out.logits[:, 0], settings.sampling)
+    if proposer.feature_layers:
+        proposer_state = proposer.ingest(proposer_state, out.features, positions, valid)
+    feat_dim = out.features.shape[-1] if out.features is not None else 0
+    ctx = (jnp.zeros((b, block, feat_dim), dtype), jnp.zeros((b, block), jnp.int32), jnp.zeros((b, block), bool))
+    buf = jnp.zeros((b, settings.max_new_tokens + block), jnp.int32).at[:, 0].set(first)
+    done = _is_stop(first, settings.stop_tokens) | (settings.max_new_tokens <= 1)
+    rec = settings.max_new_tokens if settings.record_drafts else 1
+    return LoopState(
+        key=key, cache=out.cache, proposer=proposer_state, ctx=ctx, anchor=first, start=lengths.astype(jnp.int32),
+        out=buf, num_out=jnp.ones((b,), jnp.int32), done=done, rounds=jnp.zeros((b,), jnp.int32),
+        accept=jnp.zeros((b, settings.max_new_tokens), jnp.int32),
+        drafts=jnp.zeros((b, rec, block - 1), jnp.int32), step=jnp.zeros((), jnp.int32),
+    )
+
+
+def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings, target_params: dict,
+                 s: LoopState, dtype: Any = jnp.float32) -> LoopState:
+    block = proposer.block_size
+    b = s.anchor.shape[0]
+    active = ~s.done
+    key, k_draft, k_accept = jax.random.split(s.key, 3)
+    drafts, draft_probs, pstate = proposer.propose(s.proposer, s.ctx, s.anchor, s.start, k_draft)
+    tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)
+    positions = s.start[:, None] + jnp.arange(block, dtype=jnp.int32)[None]
+    verify = TargetModel(target_config, dtype).apply(
+        {"params": target_params}, tokens, positions, s.cache, jnp.broadcast_to(active[:, None], tokens.shape),
+        feature_layers=proposer.feature_layers,
+    )
+    if settings.sampling.greedy:
+        acc = accept_greedy(drafts, verify.logits)
+    else:
+        if draft_probs is None:  # a deterministic proposal: q is a point mass
+            draft_probs = jax.nn.one_hot(drafts, verify.logits.shape[-1], dtype=jnp.float32)
+        acc = accept_sampling(k_accept, drafts, draft_probs, verify.logits, settings.sampling)
+    a, nxt = acc.num_accepted, acc.next_token
+    idx = jnp.arange(block, dtype=jnp.int32)[None]
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    new_tokens = jnp.where(idx < a[:, None], padded, nxt[:, None])
+
+    # How many of the a+1 new tokens this row keeps: cut at max_new_tokens and right after a stop token.
+    count = jnp.minimum(a + 1, settings.max_new_tokens - s.num_out)
+    stops = _is_stop(new_tokens, settings.stop_tokens) & (idx < count[:, None])
+    hit_stop = stops.any(axis=1)
+    count = jnp.where(hit_stop, jnp.argmax(stops, axis=1) + 1, count)
+    count = jnp.where(active, count, 0)
+    slots = jnp.where(idx < count[:, None], s.num_out[:, None] + idx, s.out.shape[1])
+    out = s.out.at[jnp.arange(b)[:, None], slots].set(new_tokens, mode="drop")
+    num_out = s.num_out + count
+
+    # Rollback: keep the anchor and the accepted drafts; the next token is the next anchor, not yet cached.
+    cache = verify.cache.with_lengths(jnp.where(active, s.start + a + 1, s.cache.lengths))
+    features = verify.features if verify.features is not None else s.ctx[0]
+    ctx = (features, positions, (idx <= a[:, None]) & active[:, None])
+
+    accept = s.accept.at[jnp.arange(b), s.rounds].set(jnp.where(active, a + 1, 0), mode="drop")
+    drafts_log = s.drafts
+    if settings.record_drafts:
+        drafts_log = s.drafts.at[jnp.arange(b), s.rounds].set(drafts, mode="drop")
+    return LoopState(
+        key=key, cache=cache, proposer=pstate, ctx=ctx,
+        anchor=jnp.where(active, nxt, s.anchor), start=jnp.where(active, s.start + a + 1, s.start),
+        out=out, num_out=num_out, done=s.done | hit_stop | (num_out >= settings.max_new_tokens),
+        rounds=s.rounds + active.astype(jnp.int32), accept=accept, drafts=drafts_log, step=s.step + 1,
+    )
+
+
+def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings, target_params: dict,
+                state: LoopState, dtype: Any = jnp.float32) -> LoopState:
+    def cond(s: LoopState):
+        return (~jnp.all(s.done)) & (s.step < settings.max_new_tokens)
+
+    body = functools.partial(decode_round, target_config, proposer, settings, target_params, dtype=dtype)
+    return jax.lax.while_loop(cond, body, state)
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_functions(target_config: TargetConfig, proposer, settings: DecodeSettings, slots: int, dtype):
+    """Jitted prefill and decode for one configuration (XLA then caches one program per input shape)."""
+    pre = jax.jit(functools.partial(prefill, target_config, proposer, settings, slots, dtype=dtype))
+    loop = jax.jit(functools.partial(decode_loop, target_config, proposer, settings, dtype=dtype),
+                   donate_argnums=(1,))
+    return pre, loop
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # per row, committed tokens (cut after a stop token)
+    accept_lengths: list[list[int]]  # per row, acceptance length of every round (after prefill)
+    rounds: list[int]
+    prefill_s: float  # wall time of the prefill program (no compilation)
+    decode_s: float  # wall time of the decode loop program (no compilation)
+    compile_s: float
+    drafts: list[np.ndarray] | None = None  # per row [rounds, K] when recorded
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length over all rounds of all rows."""
+        flat = [a for row in self.accept_lengths for a in row]
+        return float(np.mean(flat)) if flat else float("nan")
+
+
+def bucket(n: int, multiple: int = 16) -> int:
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+def generate(
+    target_config: TargetConfig,
+    target_params: dict,
+    prompts: Sequence[Sequence[int]],
+    proposer,
+    proposer_state: Any,
+    settings: DecodeSettings,
+    seed: int = 0,
+    dtype: Any = jnp.float32,
+    max_prompt_len: int | None = None,
+) -> GenerationResult:
+    """Generate for a batch of token-id prompts of any lengths. Prompts are right-padded to a multiple of 16
+    (or ``max_prompt_len``) so that nearby lengths share one compiled program."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    longest = max(len(p) for p in prompts)
+    width = max_prompt_len or bucket(longest)
+    if longest > width:
+        raise ValueError(f"a prompt has {longest} tokens, more than max_prompt_len={width}")
+    slots = width + settings.max_new_tokens + proposer.block_size
+    if slots > target_config.max_position_embeddings + proposer.block_size:
+        raise ValueError(
+            f"prompt ({longest} tokens, padded to {width}) plus max_new_tokens ({settings.max_new_tokens}) exceeds "
+            f"the target's max_position_embeddings ({target_config.max_position_embeddings})"
+        )
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    pre, loop = compiled_functions(target_config, proposer, settings, slots, dtype)
+    key = jax.random.PRNGKey(seed)
+
+    t0 = time.perf_counter()
+    pre_c = pre.lower(target_params, proposer_state, tokens, lengths, key).compile()
+    state_shape = jax.eval_shape(pre, target_params, proposer_state, tokens, lengths, key)
+    loop_c = loop.lower(target_params, state_shape).compile()
+    compile_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(pre_c(target_params, proposer_state, tokens, lengths, key))
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(loop_c(target_params, state))
+    decode_s = time.perf_counter() - t0
+
+    out, num_out, rounds, accept = (np.asarray(x) for x in (state.out, state.num_out, state.rounds, state.accept))
+    drafts = np.asarray(state.drafts) if settings.record_drafts else None
+    return GenerationResult(
+        tokens=[out[i, : num_out[i]].tolist() for i in range(len(prompts))],
+        accept_lengths=[accept[i, : rounds[i]].tolist() for i in range(len(prompts))],
+        rounds=rounds.tolist(),
+        prefill_s=prefill_s, decode_s=decode_s, compile_s=compile_s,
+        drafts=[drafts[i, : rounds[i]] for i in range(len(prompts))] if drafts is not None else None,
+    )

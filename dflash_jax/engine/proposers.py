@@ -1,0 +1,119 @@
+"""Proposers: what fills the block after the anchor in each round.
+
+A proposer is a small object with static settings and an array state carried through the decode loop:
+
+- ``init_state(batch, slots)`` -> state pytree
+- ``ingest(state, features, positions, valid)`` -> state: the target features of verified positions
+  (the prompt after prefill; the anchor and accepted drafts after each round)
+- ``propose(state, ctx, anchor, start, key)`` -> ``(tokens [B, K], probs [B, K, V] | None, state)``: the
+  K = block-1 proposed tokens for positions ``start+1 .. start+K`` and, for sampling, the distribution each
+  came from (None means a deterministic proposal). ``ctx = (features, positions, valid)`` holds the target
+  features of the positions verified in the previous round, which the DFlash draft writes into its context
+  cache within the same forward.
+
+``feature_layers`` tells the engine which target features to compute (none for the baseline and oracles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.engine.sampling import SamplingConfig, probabilities, sample
+from dflash_jax.models.draft import DraftModel, SharedHead, init_draft_cache
+from dflash_jax.models.draft_config import DraftConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashProposer:
+    """The DFlash draft: one forward per round over ``[anchor, mask x K]``."""
+
+    config: DraftConfig
+    block_size: int
+    sampling: SamplingConfig
+    dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        if not 2 <= self.block_size <= self.config.block_size:
+            raise ValueError(
+                f"block size {self.block_size} must be between 2 and the draft's block_size {self.config.block_size}"
+            )
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    @property
+    def model(self) -> DraftModel:
+        return DraftModel(self.config, self.dtype)
+
+    def init_state(self, params: dict, shared: SharedHead, batch: int, slots: int) -> dict:
+        return {"params": params, "shared": shared, "cache": init_draft_cache(self.config, batch, slots, self.dtype)}
+
+    def ingest(self, state: dict, features, positions, valid) -> dict:
+        cache = self.model.apply({"params": state["params"]}, features, positions, valid, state["cache"],
+                                 method=DraftModel.write_context)
+        return {**state, "cache": cache}
+
+    def propose(self, state: dict, ctx, anchor, start, key):
+        b = anchor.shape[0]
+        k = self.block_size - 1
+        tokens = jnp.concatenate([anchor[:, None], jnp.full((b, k), self.config.mask_token_id, jnp.int32)], axis=1)
+        positions = start[:, None] + jnp.arange(self.block_size)[None]
+        features, ctx_positions, ctx_valid = ctx
+        out = self.model.apply(
+            {"params": state["params"]}, tokens, positions, features, ctx_positions, ctx_valid,
+            state["cache"], state["shared"],
+        )
+        state = {**state, "cache": out.cache}
+        logits = out.logits[:, 1:]
+        if self.sampling.greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, state
+        probs = probabilities(logits, self.sampling)
+        return sample(key, probs).astype(jnp.int32), probs, state
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleProposer:
+    """Proposes a known continuation (by absolute position) with errors planted where ``errors`` is True.
+
+    Used by tests to force chosen acceptance lengths: with the target's true greedy output as ``reference``
+    every acceptance length can be produced on purpose.
+    """
+
+    block_size: int
+    vocab_size: int
+    feature_layers: tuple[int, ...] = ()
+
+    def init_state(self, reference: jax.Array, errors: jax.Array) -> dict:
+        """``reference [B, L]`` tokens by absolute position; ``errors [B, L]`` positions to corrupt."""
+        return {"reference": reference.astype(jnp.int32), "errors": errors}
+
+    def ingest(self, state, features, positions, valid):
+        return state
+
+    def propose(self, state, ctx, anchor, start, key):
+        pos = start[:, None] + 1 + jnp.arange(self.block_size - 1)[None]
+        ref = jnp.take_along_axis(state["reference"], pos, axis=1, mode="clip")
+        bad = jnp.take_along_axis(state["errors"], pos, axis=1, mode="fill", fill_value=False)
+        return jnp.where(bad, (ref + 1) % self.vocab_size, ref), None, state
+
+
+@dataclasses.dataclass(frozen=True)
+class NoProposer:
+    """Plain autoregressive decoding: a block of one (just the anchor)."""
+
+    block_size: int = 1
+    feature_layers: tuple[int, ...] = ()
+
+    def init_state(self) -> dict:
+        return {}
+
+    def ingest(self, state, features, positions, valid):
+        return state
+
+    def propose(self, state, ctx, anchor, start, key):
+        return jnp.zeros((anchor.shape[0], 0), jnp.int32), None, state

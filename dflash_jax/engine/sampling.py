@@ -1,0 +1,106 @@
+"""Token selection and speculative acceptance (SPEC section 5, step 4).
+
+Greedy acceptance keeps the longest prefix of draft tokens equal to the target's argmax. Sampling acceptance
+is lossless rejection sampling: with the same temperature/top-k/top-p applied to both the target
+distribution ``p`` and the draft distribution ``q``, draft token ``d`` is kept when ``u * q(d) < p(d)``; the
+first rejected slot is resampled from ``normalise(max(p - q, 0))``, so committed tokens are distributed
+exactly as the target's own samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """The sampling distribution over the last axis after temperature, top-k and top-p (float32)."""
+    x = logits.astype(jnp.float32) / max(cfg.temperature, 1e-6)
+    if cfg.top_k and cfg.top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    probs = jax.nn.softmax(x, axis=-1)
+    if cfg.top_p < 1.0:
+        order = jnp.argsort(-probs, axis=-1)
+        sorted_p = jnp.take_along_axis(probs, order, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays).
+        keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < cfg.top_p
+        keep = jnp.zeros_like(keep_sorted).at[
+            tuple(jnp.indices(order.shape)[:-1]) + (order,)
+        ].set(keep_sorted)
+        probs = jnp.where(keep, probs, 0.0)
+        probs = probs / probs.sum(-1, keepdims=True)
+    return probs
+
+
+def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
+    return jax.random.categorical(key, jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf))
+
+
+def select(key: jax.Array, logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """One token per row from ``logits [..., V]``: argmax when greedy, else a sample."""
+    if cfg.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return sample(key, probabilities(logits, cfg)).astype(jnp.int32)
+
+
+class Acceptance(NamedTuple):
+    num_accepted: jax.Array  # [B] draft tokens kept, 0..K
+    next_token: jax.Array  # [B] the target's own token after them (bonus or resampled replacement)
+
+
+def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array) -> Acceptance:
+    """``draft_tokens [B, K]``; ``target_logits [B, K + 1, V]`` where position k predicts draft token k."""
+    target_tokens = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    matches = draft_tokens == target_tokens[:, :-1]
+    num = jnp.sum(jnp.cumprod(matches.astype(jnp.int32), axis=1), axis=1)
+    bonus = jnp.take_along_axis(target_tokens, num[:, None], axis=1)[:, 0]
+    return Acceptance(num.astype(jnp.int32), bonus)
+
+
+def accept_sampling(
+    key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, target_logits: jax.Array, cfg: SamplingConfig
+) -> Acceptance:
+    """Lossless rejection sampling. ``draft_probs [B, K, V]`` is the distribution each draft token was drawn
+    from (already processed with ``cfg``); ``target_logits [B, K + 1, V]``."""
+    p = probabilities(target_logits, cfg)
+    b, k = draft_tokens.shape
+    key_u, key_r = jax.random.split(key)
+    p_d = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+    u = jax.random.uniform(key_u, (b, k))
+    accepted = u * q_d < p_d
+    num = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)
+    # Residual at the first rejected slot; when every draft is accepted, q is zero there and the residual is
+    # just p at the last position (the bonus distribution).
+    q_pad = jnp.concatenate([draft_probs, jnp.zeros_like(p[:, :1])], axis=1)
+    p_at = jnp.take_along_axis(p, num[:, None, None], axis=1)[:, 0]
+    q_at = jnp.take_along_axis(q_pad, num[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_at - q_at, 0.0)
+    mass = residual.sum(-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.maximum(mass, 1e-38), p_at)
+    return Acceptance(num.astype(jnp.int32), sample(key_r, residual).astype(jnp.int32))

@@ -1,0 +1,345 @@
+"""``python -m infer convert``: official/Hugging Face checkpoint directories <-> Orbax checkpoints.
+
+The direction comes from the input:
+
+* an Orbax directory written by this project (``meta.json`` + ``params/``) is exported: a draft to the
+  official DFlash layout (servable by the reference code, SGLang and vLLM), a target to a Hugging Face
+  directory (loadable by transformers);
+* an official draft directory (``config.json`` with ``architectures: [DFlashDraftModel]``, a
+  ``dflash_config`` or a ``block_size`` field) or a Hugging Face target directory is converted to Orbax.
+
+Tokenizer and generation files found next to the weights travel along (inside the Orbax directory they sit in
+``hf_extra/``), so a round trip keeps the tokenizer. The output is written to a temporary sibling directory
+and moved into place only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash_jax.checkpoints import orbax_io
+from dflash_jax.checkpoints.safetensors_io import CheckpointError
+from dflash_jax.models.config import ConfigError
+
+PROG = "python -m infer convert"
+DTYPE_CHOICES = ("keep", "float32", "bfloat16")
+KIND_CHOICES = ("auto", "target", "draft")
+EXTRA_DIR = "hf_extra"
+EXTRA_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+DRAFT_ARCHITECTURE = "DFlashDraftModel"
+
+
+class UsageError(Exception):
+    """A bad command line; reported as one ``error: ...`` line with exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print the usage and call sys.exit(2)
+        raise UsageError(message)
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=prog,
+        description=textwrap.fill(
+            "Convert a checkpoint between the official / Hugging Face layout (config.json + safetensors) and "
+            "an Orbax checkpoint of this project. The direction is detected from --from: an Orbax directory "
+            "(meta.json + params/) is exported (a draft to the official DFlash layout, a target to a Hugging "
+            "Face directory); an official draft or Hugging Face target directory is converted to Orbax. "
+            "Tokenizer files travel along in both directions.", width=100
+        ),
+        epilog=(
+            "examples:\n"
+            f"  {prog} --from ckpt/Qwen3-8B-DFlash-b16 --to orbax/qwen3-8b-draft\n"
+            f"  {prog} --from orbax/my-draft --to export/my-draft --dtype bfloat16\n"
+            f"  {prog} --from hf/Qwen3-8B --to orbax/qwen3-8b --kind target\n"
+            "Exit codes: 0 success, 2 bad arguments or unusable checkpoint (one 'error: ...' line on stderr)."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--from", dest="src", required=True, metavar="PATH",
+        help="input directory: an Orbax checkpoint written by this project, an official DFlash draft "
+             "directory, or a Hugging Face target directory (config.json + model.safetensors or a sharded "
+             "model.safetensors.index.json). Pickle weights (.bin/.pt) are refused.",
+    )
+    parser.add_argument(
+        "--to", dest="dst", required=True, metavar="PATH",
+        help="output directory; created if missing. Must be absent or empty unless --force is given.",
+    )
+    parser.add_argument(
+        "--kind", choices=KIND_CHOICES, default="auto",
+        help="what the checkpoint holds. 'auto' (default) reads meta.json of an Orbax input, or the "
+             "config.json of an official/HF input (a draft has architectures [DFlashDraftModel], a "
+             "dflash_config or a block_size field; anything else is a target). 'draft'/'target' force it "
+             "(for an Orbax input it must agree with meta.json).",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPE_CHOICES, default="keep",
+        help="dtype of the written weights: 'keep' (default) keeps the stored dtypes bit for bit; "
+             "'float32' or 'bfloat16' casts every tensor.",
+    )
+    parser.add_argument(
+        "--force", action="store_true",
+        help="replace a non-empty --to directory (its old contents are deleted once the new checkpoint is "
+             "complete). Never allowed when --to is or contains --from.",
+    )
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false",
+        help="no progress bars or status lines (by default they are printed to stderr).",
+    )
+    return parser
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _dtype(name: str) -> Any:
+    """``keep`` -> None; otherwise the JAX dtype."""
+    if name == "keep":
+        return None
+    import jax.numpy as jnp
+
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def _say(args: argparse.Namespace, message: str) -> None:
+    if args.progress:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return value
+
+
+def is_draft_config(cfg: dict) -> bool:
+    """An official DFlash draft config (either field layout), as opposed to a target's config.json."""
+    archs = cfg.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    return DRAFT_ARCHITECTURE in archs or "dflash_config" in cfg or "block_size" in cfg
+
+
+def detect(src: Path, kind: str) -> tuple[str, str]:
+    """``(format, kind)`` of the input: format ``orbax`` or ``hf``, kind ``draft`` or ``target``."""
+    if not src.exists():
+        raise FileNotFoundError(f"--from {src}: no such file or directory")
+    if not src.is_dir():
+        raise CheckpointError(f"--from {src}: expected a checkpoint directory, got a file")
+    if orbax_io.is_orbax_dir(src):
+        meta = orbax_io.read_meta(src)
+        stored = meta["kind"]
+        if stored not in ("draft", "target"):
+            raise CheckpointError(f"{src / orbax_io.META_FILE}: kind {stored!r} is neither 'draft' nor 'target'")
+        if not isinstance(meta["config"], dict):
+            raise CheckpointError(f"{src / orbax_io.META_FILE}: 'config' must be a JSON object")
+        if kind != "auto" and kind != stored:
+            raise CheckpointError(
+                f"--kind {kind} but {src} holds a {stored} checkpoint (meta.json kind {stored!r})"
+            )
+        return "orbax", stored
+    config = src / "config.json"
+    if not config.is_file():
+        raise CheckpointError(
+            f"--from {src}: neither an Orbax checkpoint of this project (meta.json + params/) nor an "
+            "official/Hugging Face directory (no config.json)"
+        )
+    if kind == "auto":
+        kind = "draft" if is_draft_config(_read_json(config)) else "target"
+    return "hf", kind
+
+
+def check_output(src: Path, dst: Path, force: bool) -> None:
+    src_r, dst_r = src.resolve(), dst.resolve()
+    if dst_r == src_r or dst_r in src_r.parents:
+        raise ValueError(f"--to {dst}: is (or contains) the input directory --from {src}; choose another path")
+    if src_r in dst_r.parents:
+        raise ValueError(f"--to {dst}: lies inside the input directory --from {src}; choose another path")
+    if dst.exists() or dst.is_symlink():
+        if not dst.is_dir():
+            raise ValueError(f"--to {dst}: exists and is not a directory")
+        if any(dst.iterdir()) and not force:
+            raise ValueError(f"--to {dst}: directory is not empty (pass --force to replace its contents)")
+
+
+def copy_extras(src_dir: Path, dst_dir: Path) -> list[str]:
+    """Copy the tokenizer/generation files that exist in ``src_dir``; returns their names."""
+    copied = []
+    for name in EXTRA_FILES:
+        f = src_dir / name
+        if f.is_file():
+            dst_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dst_dir / name)
+            copied.append(name)
+    return copied
+
+
+def _count_and_dtypes(params: Any) -> tuple[int, str]:
+    import jax
+
+    leaves = jax.tree.leaves(params)
+    dtypes = sorted({str(leaf.dtype) for leaf in leaves})
+    return len(leaves), "/".join(dtypes)
+
+
+# ---------------------------------------------------------------------------------------- conversions
+
+
+def to_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Namespace, shown: Path) -> str:
+    if kind == "draft":
+        from dflash_jax.checkpoints.official_draft import load_draft
+
+        config, params = load_draft(src, dtype=dtype, progress=args.progress)
+        config_dict = config.to_official_dict()
+    else:
+        from dflash_jax.checkpoints.hf_target import load_target
+
+        config, params = load_target(src, dtype=dtype, progress=args.progress)
+        config_dict = config.to_hf_dict()
+    _say(args, f"writing Orbax checkpoint ({kind}) ...")
+    orbax_io.save_params(out, params, kind, config_dict)
+    extras = copy_extras(src, out / EXTRA_DIR)
+    n, dtypes = _count_and_dtypes(params)
+    extra = f", kept {', '.join(extras)}" if extras else ""
+    return f"converted {kind} {src} -> Orbax {shown} ({n} tensors, {dtypes}{extra})"
+
+
+def from_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Namespace, shown: Path) -> str:
+    meta = orbax_io.read_meta(src)
+    source = f"{src / orbax_io.META_FILE} [config]"
+    if kind == "draft":
+        from dflash_jax.models.draft_config import DraftConfig
+
+        config = DraftConfig.from_dict(meta["config"], source=source)
+    else:
+        from dflash_jax.models.config import TargetConfig
+
+        config = TargetConfig.from_dict(meta["config"], source=source)
+    _say(args, f"reading Orbax checkpoint {src} ...")
+    try:
+        params, _ = orbax_io.restore_params(src, dtype=dtype)
+    except (CheckpointError, ConfigError):
+        raise
+    except Exception as e:  # Orbax/TensorStore raise many types for a damaged store
+        raise CheckpointError(f"{src / orbax_io.PARAMS_DIR}: cannot restore the Orbax params ({e})") from None
+    _check_tree(src, kind, config, params)
+    _say(args, f"writing {'official draft' if kind == 'draft' else 'Hugging Face target'} directory ...")
+    if kind == "draft":
+        from dflash_jax.checkpoints.official_draft import save_draft
+
+        save_draft(config, params, out)
+    else:
+        from dflash_jax.checkpoints.hf_target import save_target
+
+        save_target(config, params, out)
+    extras = copy_extras(src / EXTRA_DIR, out)
+    n, dtypes = _count_and_dtypes(params)
+    extra = f", kept {', '.join(extras)}" if extras else ""
+    layout = "official draft" if kind == "draft" else "Hugging Face"
+    return f"converted Orbax {kind} {src} -> {layout} {shown} ({n} tensors, {dtypes}{extra})"
+
+
+def _check_tree(src: Path, kind: str, config: Any, params: Any) -> None:
+    """The restored params must have exactly the shapes the config implies (no silent partial export)."""
+    import jax
+
+    from dflash_jax.checkpoints.safetensors_io import flatten
+
+    if kind == "draft":
+        from dflash_jax.checkpoints.official_draft import abstract_draft_params as abstract_of
+    else:
+        from dflash_jax.checkpoints.hf_target import abstract_target_params as abstract_of
+    want = {k: tuple(v.shape) for k, v in flatten(abstract_of(config)).items()}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{src / orbax_io.PARAMS_DIR}: expected a tree of parameter dicts")
+    got = {k: tuple(jax.numpy.shape(v)) for k, v in flatten(params).items()}
+    missing = sorted(set(want) - set(got))
+    unexpected = sorted(set(got) - set(want))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append("missing " + _paths(missing))
+        if unexpected:
+            parts.append("unexpected " + _paths(unexpected))
+        raise CheckpointError(f"{src / orbax_io.PARAMS_DIR}: params do not match meta.json config ({'; '.join(parts)})")
+    for k in sorted(want):
+        if want[k] != got[k]:
+            raise CheckpointError(
+                f"{src / orbax_io.PARAMS_DIR}: param {'/'.join(k)!r} has shape {list(got[k])}, "
+                f"expected {list(want[k])} from meta.json config"
+            )
+
+
+def _paths(paths: list[tuple[str, ...]]) -> str:
+    return ", ".join("/".join(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+
+
+def convert(args: argparse.Namespace) -> str:
+    src, dst = Path(args.src), Path(args.dst)
+    fmt, kind = detect(src, args.kind)
+    check_output(src, dst, args.force)
+    dtype = _dtype(args.dtype)
+    parent = dst.absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{dst.name}.convert-tmp-{os.getpid()}-{int(time.time() * 1000)}"
+    try:
+        if fmt == "orbax":
+            summary = from_orbax(src, tmp, kind, dtype, args, dst)
+        else:
+            summary = to_orbax(src, tmp, kind, dtype, args, dst)
+        if dst.is_dir():
+            if any(dst.iterdir()):  # only reached with --force (checked above)
+                shutil.rmtree(dst)
+            else:
+                dst.rmdir()
+        os.replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e} (see {PROG} --help)", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    try:
+        summary = convert(args)
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError, OSError) as e:
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

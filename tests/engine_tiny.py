@@ -1,0 +1,35 @@
+"""A tiny random target (no torch needed) and a tiny draft for engine tests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.checkpoints.official_draft import init_draft_params
+from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.target import TargetModel
+from draft_tiny import HIDDEN, TARGET_LAYERS, VOCAB, official_config
+
+
+def tiny_target(seed: int = 0, vocab: int = VOCAB, scale: float = 0.3, tied: bool = False):
+    config = TargetConfig.from_dict(dict(
+        model_type="qwen3", vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128,
+        num_hidden_layers=TARGET_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=tied,
+    ))
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    params = TargetModel(config).init(jax.random.PRNGKey(seed), tokens, tokens)["params"]
+    # Flax's default init gives nearly uniform logits; larger weights make greedy choices well separated.
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape) * scale, x.dtype)
+                          if x.ndim > 1 else x, params)
+    return config, params
+
+
+def tiny_draft(vocab: int = VOCAB, block: int = 8, seed: int = 1):
+    cfg = official_config(vocab_size=vocab, block_size=block,
+                          dflash_config={"target_layer_ids": [0, 2], "mask_token_id": vocab - 1})
+    config = DraftConfig.from_dict(cfg)
+    return config, init_draft_params(config, seed=seed)
