@@ -132,4 +132,4 @@ def test_context_in_three_chunks_equals_context_at_once(tiny):
     once, chunked = draft_after([27]), draft_after([10, 9, 8])
     np.testing.assert_allclose(chunked.logits, once.logits, atol=1e-5, rtol=0)
     for a, b in zip(once.cache.keys, chunked.cache.keys):
-        np.testing.assert_allclose(a[:, :27], b[:, :27], atol=1e-6, rtol=0)
+        np.testing.assert_allclose(a[:, :, :27], b[:, :, :27], atol=1e-6, rtol=0)

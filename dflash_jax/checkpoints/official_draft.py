@@ -37,9 +37,9 @@ def abstract_draft_params(config: DraftConfig, dtype: Any = jnp.float32) -> dict
     b, t = 1, 2
     tokens = jnp.zeros((b, t), jnp.int32)
     feats = jnp.zeros((b, 1, config.num_features * config.hidden_size), dtype)
-    shared = SharedHead(jnp.zeros((config.vocab_size, config.hidden_size), dtype), None)
 
-    def init():
+    def init():  # everything inside eval_shape: the [vocab, hidden] table must not be allocated for real
+        shared = SharedHead(jnp.zeros((config.vocab_size, config.hidden_size), dtype), None)
         cache = init_draft_cache(config, b, 4, dtype)
         return model.init(jax.random.PRNGKey(0), tokens, tokens, feats, tokens[:, :1], tokens[:, :1] >= 0,
                           cache, shared)

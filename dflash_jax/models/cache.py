@@ -1,6 +1,8 @@
 """Preallocated key/value caches with per-row lengths.
 
-A cache is a pytree passed into and returned from pure forward functions. Slot ``s`` of a row holds the key
+A cache is a pytree passed into and returned from pure forward functions. Layout ``[batch, kv_heads, slots,
+head_dim]`` per layer: attention is a batched dot over (batch, kv head), and with those axes leading XLA
+reads the cache in place (``[batch, slots, ...]`` made it transpose a full copy every step on CPU). Slot ``s`` of a row holds the key
 and value of the token at absolute position ``s``; ``lengths[b]`` counts the committed slots of row ``b``.
 Rejecting speculated tokens is just lowering ``lengths``: the stale slots are never visible (the attention
 mask hides slots at or past the length) and are overwritten by the next write.
@@ -15,13 +17,13 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class KVCache:
-    keys: tuple[jax.Array, ...]  # per layer [batch, slots, kv_heads, head_dim]
+    keys: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim]
     values: tuple[jax.Array, ...]
     lengths: jax.Array  # [batch] int32
 
     @classmethod
     def create(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype=jnp.float32):
-        shape = (batch, slots, kv_heads, head_dim)
+        shape = (batch, kv_heads, slots, head_dim)
         return cls(
             keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
             values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
@@ -30,7 +32,7 @@ class KVCache:
 
     @property
     def num_slots(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[2]
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=lengths.astype(jnp.int32))

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 
 from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
 from dflash_jax.models.draft_config import DraftConfig
-from dflash_jax.models.layers import MLP, RMSNorm, apply_rope, attention, rope_inv_freq, write_rows
+from dflash_jax.models.layers import (
+    MLP, RMSNorm, apply_rope, attention, rope_inv_freq, to_cache_layout, write_rows,
+)
 
 
 class SharedHead(NamedTuple):
@@ -77,15 +79,14 @@ class DraftAttention(nn.Module):
         return apply_rope(k, positions, rope_inv_freq(cfg.rope, cfg.head_dim)), v
 
     def __call__(self, h, block_positions, ctx_keys, ctx_values, ctx_mask, blk_mask):
-        """``ctx_keys/values [B, S, KV, D]`` are already roped; masks are ``[B, T, S]`` and ``[B, T, T]``."""
+        """``ctx_keys/values [B, KV, S, D]`` are already roped; masks are ``[B, T, S]`` and ``[B, T, T]``."""
         cfg = self.config
         b, t, _ = h.shape
         q = self.q_norm(self.q_proj(h).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))
         q = apply_rope(q, block_positions, rope_inv_freq(cfg.rope, cfg.head_dim))
         k_blk, v_blk = self.keys_values(h, block_positions)
-        keys = jnp.concatenate([ctx_keys, k_blk.astype(ctx_keys.dtype)], axis=1)
-        values = jnp.concatenate([ctx_values, v_blk.astype(ctx_values.dtype)], axis=1)
-        out = attention(q, keys, values, jnp.concatenate([ctx_mask, blk_mask], axis=-1))
+        k_blk, v_blk = to_cache_layout(k_blk), to_cache_layout(v_blk)
+        out = attention(q, [(ctx_keys, ctx_values, ctx_mask), (k_blk, v_blk, blk_mask)])
         return self.o_proj(out.reshape(b, t, -1))
 
 

@@ -7,7 +7,7 @@ conversion is a path map plus a transpose of linear weights (Flax ``kernel`` is 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -70,21 +70,40 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return x * cos + rotated * sin
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query softmax attention.
+def attention(q: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+    """Grouped-query softmax attention over one or more key/value segments with a joint softmax.
 
-    q ``[B, T, Hq, D]``, k/v ``[B, S, Hkv, D]``, mask ``[B, T, S]`` (True = visible). Scores and softmax in
-    float32; a fully masked row yields zeros rather than NaN.
+    q ``[B, T, Hq, D]``; each segment is ``(k, v, mask)`` with k/v ``[B, Hkv, S, D]`` (the cache layout, so
+    XLA's batched dot reads the cache in place instead of transposing a copy of it) and mask ``[B, T, S]``
+    (True = visible). Passing the cached context and the transient block as two segments avoids
+    concatenating (copying) the cache. Scores and softmax in float32; fully masked rows yield zeros.
     """
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(mask[:, None, None, :, :], probs, 0.0).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    hkv = segments[0][0].shape[1]
+    qg = q.reshape(b, t, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, -1, d)  # [B, KV, G*T, D]
+    scores, masks = [], []
+    for k, _, mask in segments:
+        s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
+        m = jnp.broadcast_to(mask[:, None, None], (b, 1, hq // hkv) + mask.shape[1:]).reshape(b, 1, -1, mask.shape[-1])
+        scores.append(jnp.where(m, s, jnp.finfo(jnp.float32).min))
+        masks.append(m)
+    all_scores = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    all_masks = jnp.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
+    probs = jnp.where(all_masks, jax.nn.softmax(all_scores, axis=-1), 0.0)
+    out = jnp.zeros(qg.shape, jnp.float32)
+    offset = 0
+    for k, v, _ in segments:
+        n = k.shape[2]
+        p = probs[..., offset:offset + n].astype(v.dtype)
+        out = out + jnp.einsum("bkqs,bksd->bkqd", p, v, preferred_element_type=jnp.float32)
+        offset += n
+    out = out.reshape(b, hkv, hq // hkv, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    return out.astype(q.dtype)
+
+
+def to_cache_layout(x: jax.Array) -> jax.Array:
+    """``[B, T, Hkv, D]`` (projection output) -> ``[B, Hkv, T, D]`` (cache/attention layout)."""
+    return x.transpose(0, 2, 1, 3)
 
 
 class MLP(nn.Module):
@@ -105,10 +124,10 @@ class MLP(nn.Module):
 
 
 def write_rows(cache: jax.Array, update: jax.Array, slots: jax.Array) -> jax.Array:
-    """Scatter ``update [B, T, ...]`` into ``cache [B, S, ...]`` at per-row ``slots [B, T]``.
+    """Scatter ``update [B, T, Hkv, D]`` into ``cache [B, Hkv, S, D]`` at per-row ``slots [B, T]``.
 
     Slots outside ``[0, S)`` are dropped (JAX would otherwise clamp them onto a real slot), which is how
     callers skip padding tokens.
     """
     rows = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[rows, slots].set(update.astype(cache.dtype), mode="drop")
+    return cache.at[rows, :, slots].set(update.astype(cache.dtype), mode="drop")

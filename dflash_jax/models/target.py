@@ -15,7 +15,9 @@ import jax.numpy as jnp
 
 from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
 from dflash_jax.models.config import TargetConfig
-from dflash_jax.models.layers import MLP, RMSNorm, apply_rope, attention, rope_inv_freq, write_rows
+from dflash_jax.models.layers import (
+    MLP, RMSNorm, apply_rope, attention, rope_inv_freq, to_cache_layout, write_rows,
+)
 
 
 class TargetOutput(NamedTuple):
@@ -52,8 +54,8 @@ class TargetAttention(nn.Module):
             v_all = write_rows(cache_kv[1], v, slots)
             new_kv = (k_all, v_all)
         else:
-            k_all, v_all, new_kv = k, v, None
-        out = attention(q, k_all, v_all, mask)
+            k_all, v_all, new_kv = to_cache_layout(k), to_cache_layout(v), None
+        out = attention(q, [(k_all, v_all, mask)])
         out = dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out.reshape(b, t, -1))
         return out, new_kv
 

@@ -1,0 +1,232 @@
+"""The shipped pairing configs (configs/*.yaml) give the SPEC section 2 shapes; load_pairing errors are clear.
+
+Shapes are checked abstractly (``jax.eval_shape``): no real weights are allocated, even for the 8B pairings.
+"""
+
+from functools import lru_cache
+
+import pytest
+
+from dflash_jax.checkpoints.hf_target import abstract_target_params
+from dflash_jax.checkpoints.official_draft import abstract_draft_params
+from dflash_jax.checkpoints.safetensors_io import flatten, param_path_to_key
+from dflash_jax.configs import CONFIG_DIR, Pairing, available_pairings, load_pairing
+from dflash_jax.models.config import ConfigError
+from dflash_jax.models.draft_config import DraftConfig, default_target_layer_ids
+from draft_tiny import official_config
+
+SHIPPED = ["qwen3-8b-dflash-b16", "qwen3-4b-dflash-b16", "llama3.1-8b-instruct-dflash-b10", "tiny-test"]
+
+
+@lru_cache(maxsize=None)
+def shapes(name: str) -> tuple[Pairing, dict, dict]:
+    """(pairing, draft param shapes, target param shapes), flat path -> shape."""
+    p = load_pairing(name)
+    draft = {k: tuple(v.shape) for k, v in flatten(abstract_draft_params(p.draft)).items()}
+    target = {k: tuple(v.shape) for k, v in flatten(abstract_target_params(p.target)).items()}
+    return p, draft, target
+
+
+def official_shapes(flat: dict) -> dict:
+    """Param shapes as stored in the official/HF files (``[out, in]`` for linear weights)."""
+    out = {}
+    for path, shape in flat.items():
+        key, transpose = param_path_to_key(path)
+        out[key] = shape[::-1] if transpose else shape
+    return out
+
+
+def test_every_shipped_config_is_listed_and_loads():
+    assert set(SHIPPED) <= set(available_pairings())
+    for name in SHIPPED:
+        p = load_pairing(name)
+        assert p.name == name
+        assert p.raw["name"] == name
+        assert p.draft.hidden_size == p.target.hidden_size
+        assert p.draft.num_target_layers == p.target.num_hidden_layers
+
+
+def test_load_by_path_and_by_name_with_suffix_agree():
+    by_name = load_pairing("qwen3-8b-dflash-b16")
+    assert load_pairing(CONFIG_DIR / "qwen3-8b-dflash-b16.yaml") == by_name
+    assert load_pairing(str(CONFIG_DIR / "qwen3-8b-dflash-b16.yaml")) == by_name
+    assert load_pairing("qwen3-8b-dflash-b16.yaml") == by_name
+
+
+def test_hub_ids():
+    assert load_pairing("qwen3-8b-dflash-b16").hf_draft == "z-lab/Qwen3-8B-DFlash-b16"
+    assert load_pairing("qwen3-4b-dflash-b16").hf_draft == "z-lab/Qwen3-4B-DFlash-b16"
+    assert load_pairing("llama3.1-8b-instruct-dflash-b10").hf_draft == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
+
+
+def test_qwen3_8b_pairing_matches_spec():
+    p, draft, target = shapes("qwen3-8b-dflash-b16")
+    d, t = p.draft, p.target
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.head_dim,
+            t.intermediate_size, t.vocab_size, t.max_position_embeddings) == (4096, 36, 32, 8, 128, 12288, 151936,
+                                                                              40960)
+    assert t.rope.theta == 1e6 and t.rms_norm_eps == 1e-6 and not t.tie_word_embeddings and t.qk_norm
+    assert (d.hidden_size, d.num_hidden_layers, d.num_attention_heads, d.num_key_value_heads, d.head_dim,
+            d.intermediate_size, d.block_size) == (4096, 5, 32, 8, 128, 12288, 16)
+    assert d.rope.theta == 1e6 and d.rms_norm_eps == 1e-6
+    assert d.target_layer_ids == (1, 9, 17, 25, 33) == default_target_layer_ids(36, 5)
+    assert d.mask_token_id == 151669
+    # draft params (Flax kernels are [in, out])
+    assert draft[("fc", "kernel")] == (5 * 4096, 4096)
+    assert draft[("hidden_norm", "weight")] == (4096,) and draft[("norm", "weight")] == (4096,)
+    attn = ("layers_0", "self_attn")
+    assert draft[attn + ("q_proj", "kernel")] == (4096, 4096)
+    assert draft[attn + ("k_proj", "kernel")] == (4096, 1024)
+    assert draft[attn + ("v_proj", "kernel")] == (4096, 1024)
+    assert draft[attn + ("o_proj", "kernel")] == (4096, 4096)
+    assert draft[attn + ("q_norm", "weight")] == (128,) and draft[attn + ("k_norm", "weight")] == (128,)
+    assert draft[("layers_0", "mlp", "gate_proj", "kernel")] == (4096, 12288)
+    assert draft[("layers_0", "mlp", "up_proj", "kernel")] == (4096, 12288)
+    assert draft[("layers_0", "mlp", "down_proj", "kernel")] == (12288, 4096)
+    assert {k[0] for k in draft if k[0].startswith("layers_")} == {f"layers_{i}" for i in range(5)}
+    # the same in the stored [out, in] layout of SPEC section 7; no embedding and no head
+    stored = official_shapes(draft)
+    assert stored["fc.weight"] == (4096, 5 * 4096)
+    assert stored["layers.4.self_attn.k_proj.weight"] == (1024, 4096)
+    assert stored["layers.4.mlp.down_proj.weight"] == (4096, 12288)
+    assert len(stored) == 3 + 5 * 11
+    assert not any("embed" in k or "lm_head" in k for k in stored)
+    # target: untied head, 36 layers
+    assert target[("embed_tokens", "embedding")] == (151936, 4096)
+    assert target[("lm_head", "kernel")] == (4096, 151936)
+    assert {k[0] for k in target if k[0].startswith("layers_")} == {f"layers_{i}" for i in range(36)}
+    assert target[("layers_35", "self_attn", "k_proj", "kernel")] == (4096, 1024)
+    assert target[("layers_35", "self_attn", "q_norm", "weight")] == (128,)
+
+
+def test_qwen3_4b_pairing_matches_spec():
+    p, draft, target = shapes("qwen3-4b-dflash-b16")
+    d, t = p.draft, p.target
+    assert t.tie_word_embeddings
+    assert not any(k[0] == "lm_head" for k in target)  # tied: the embedding is the head
+    assert target[("embed_tokens", "embedding")] == (151936, 2560)
+    assert target[("layers_0", "self_attn", "q_proj", "kernel")] == (2560, 32 * 128)
+    assert target[("layers_0", "mlp", "gate_proj", "kernel")] == (2560, 9728)
+    assert (d.hidden_size, d.intermediate_size, d.num_hidden_layers, d.block_size) == (2560, 9728, 5, 16)
+    assert d.target_layer_ids == (1, 9, 17, 25, 33) and d.mask_token_id == 151669
+    assert draft[("fc", "kernel")] == (12800, 2560)
+    assert official_shapes(draft)["fc.weight"] == (2560, 12800)
+    assert draft[("layers_0", "self_attn", "q_proj", "kernel")] == (2560, 4096)
+    assert draft[("layers_0", "self_attn", "o_proj", "kernel")] == (4096, 2560)
+    assert draft[("layers_0", "mlp", "down_proj", "kernel")] == (9728, 2560)
+
+
+def test_llama_pairing():
+    p, draft, target = shapes("llama3.1-8b-instruct-dflash-b10")
+    d, t = p.draft, p.target
+    assert t.model_type == "llama" and not t.qk_norm and not t.tie_word_embeddings
+    assert (t.hidden_size, t.num_hidden_layers, t.intermediate_size, t.vocab_size, t.head_dim) == (
+        4096, 32, 14336, 128256, 128)
+    assert t.rope.rope_type == "llama3" and t.rope.theta == 500000.0 and t.rope.factor == 8.0
+    assert (t.rope.low_freq_factor, t.rope.high_freq_factor, t.rope.original_max_position_embeddings) == (1, 4, 8192)
+    assert t.rms_norm_eps == 1e-5 and t.eos_token_ids == (128001, 128008, 128009)
+    assert d.block_size == 10 and d.num_hidden_layers == 5
+    assert d.rope == t.rope
+    assert d.target_layer_ids == default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)
+    assert d.mask_token_id == 128002 < t.vocab_size
+    assert draft[("fc", "kernel")] == (5 * 4096, 4096)
+    assert draft[("layers_0", "mlp", "gate_proj", "kernel")] == (4096, 14336)
+    assert target[("lm_head", "kernel")] == (4096, 128256)
+    assert not any("q_norm" in k for k in target)
+
+
+def test_tiny_pairing_matches_the_test_draft():
+    p = load_pairing("tiny-test")
+    assert p.draft == DraftConfig.from_dict(official_config())
+
+
+def test_llama_config_warns_about_unverified_ids():
+    text = (CONFIG_DIR / "llama3.1-8b-instruct-dflash-b10.yaml").read_text()
+    assert "mask_token_id" in text and "check" in text.lower() and "config.json" in text
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_unknown_name_lists_the_available_ones():
+    with pytest.raises(ConfigError, match=r"qwen9: no such pairing file or name \(available names: .*qwen3-8b-dflash-b16"):
+        load_pairing("qwen9")
+    with pytest.raises(ConfigError, match=r"no such pairing file or name"):
+        load_pairing("some/dir/missing.yaml")
+
+
+def write(tmp_path, text, name="pair.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def base_yaml(tmp_path):
+    return (CONFIG_DIR / "tiny-test.yaml").read_text()
+
+
+def test_custom_file_loads_and_name_defaults_to_stem(tmp_path):
+    text = base_yaml(tmp_path).replace("name: tiny-test\n", "")
+    p = load_pairing(write(tmp_path, text, "mine.yaml"))
+    assert p.name == "mine"
+
+
+@pytest.mark.parametrize("drop", ["target", "draft"])
+def test_missing_section_names_file_and_key(tmp_path, drop):
+    import yaml
+
+    raw = yaml.safe_load(base_yaml(tmp_path))
+    raw.pop(drop)
+    path = write(tmp_path, yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=rf"{path}: missing top-level key '{drop}'"):
+        load_pairing(path)
+
+
+def test_yaml_syntax_error_names_the_file(tmp_path):
+    path = write(tmp_path, "target: {hidden_size: 64\ndraft: [\n")
+    with pytest.raises(ConfigError, match=rf"{path}: not valid YAML \(.*line"):
+        load_pairing(path)
+
+
+def test_not_a_mapping(tmp_path):
+    path = write(tmp_path, "- just\n- a list\n")
+    with pytest.raises(ConfigError, match=rf"{path}: expected a mapping with keys 'target' and 'draft'"):
+        load_pairing(path)
+    path = write(tmp_path, "target: 3\ndraft: {}\n", "scalar.yaml")
+    with pytest.raises(ConfigError, match=rf"{path}: key 'target' must be a mapping"):
+        load_pairing(path)
+
+
+def test_bad_field_inside_a_section_names_file_section_and_field(tmp_path):
+    path = write(tmp_path, base_yaml(tmp_path).replace("  model_type: qwen3\n  attention_bias", "  model_type: gpt2\n  attention_bias", 1))
+    with pytest.raises(ConfigError, match=rf"{path} \[target\]: model_type 'gpt2' is not supported"):
+        load_pairing(path)
+    path = write(tmp_path, base_yaml(tmp_path).replace("    mask_token_id: 96\n", ""), "nomask.yaml")
+    with pytest.raises(ConfigError, match=rf"{path} \[draft\]: missing required field 'mask_token_id'"):
+        load_pairing(path)
+
+
+def test_draft_that_does_not_fit_the_target_is_refused(tmp_path):
+    path = write(tmp_path, base_yaml(tmp_path).replace("mask_token_id: 96", "mask_token_id: 151669"))
+    with pytest.raises(ConfigError, match=rf"{path} \[draft\]: mask_token_id 151669 is outside .*vocab_size 97"):
+        load_pairing(path)
+    path = write(tmp_path, base_yaml(tmp_path).replace("target_layer_ids: [0, 2]", "target_layer_ids: [0, 4]"),
+                 "ids.yaml")
+    with pytest.raises(ConfigError, match=rf"{path} \[draft\]: target_layer_ids contains 4, outside the target's 4"):
+        load_pairing(path)
+
+
+def test_directory_is_not_a_pairing_file(tmp_path):
+    with pytest.raises(ConfigError, match=rf"{tmp_path}: not a file"):
+        load_pairing(tmp_path)
+
+
+def test_abstract_shapes_allocate_nothing():
+    """A vocabulary of 10^8 x 4096 floats (1.6 TB) would fail at once if anything were allocated for real."""
+    import dataclasses
+
+    p = load_pairing("qwen3-8b-dflash-b16")
+    huge_draft = dataclasses.replace(p.draft, vocab_size=10**8)
+    assert flatten(abstract_draft_params(huge_draft))[("fc", "kernel")].shape == (5 * 4096, 4096)
+    small_target = dataclasses.replace(p.target, vocab_size=10**8, num_hidden_layers=1)
+    assert flatten(abstract_target_params(small_target))[("lm_head", "kernel")].shape == (4096, 10**8)
