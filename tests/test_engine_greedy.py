@@ -42,6 +42,17 @@ def test_random_draft_is_lossless(setup):
     assert [sum(a) + 1 for a in out.accept_lengths] == [len(t) for t in out.tokens]
 
 
+def test_streaming_in_chunks_gives_the_same_tokens(setup):
+    tc, tp, dc, dp, prompts, settings, ar = setup
+    seen = []
+    out = generate(tc, tp, prompts, NoProposer(), {}, settings, on_tokens=seen.append, chunk_rounds=7)
+    assert out.tokens == ar.tokens
+    assert len(seen) >= MAX_NEW // 7
+    # Each chunk only extends what was shown before.
+    for before, after in zip(seen, seen[1:]):
+        assert all(a[: len(b)] == b for a, b in zip(after, before))
+
+
 def recompute_acceptance(drafts: np.ndarray, tokens: list[int]) -> list[int]:
     """From the committed tokens alone: round r's acceptance is 1 + the number of its proposals that match
     the output from its first proposed position on."""
@@ -133,7 +144,7 @@ def test_decode_loop_has_no_full_cache_copies(setup):
     lengths = np.asarray(PROMPT_LENGTHS, np.int32)
     state = prop.init_state(dp, shared_head(tp, False), len(prompts), slots)
     shape = jax.eval_shape(pre, tp, state, tokens, lengths, jax.random.PRNGKey(0))
-    hlo = loop.lower(tp, shape).compile().as_text()
+    hlo = loop.lower(tp, shape, jnp.int32(0)).compile().as_text()
     assert "while" in hlo
     # Any copy whose element count equals one layer's cache (target or draft, in any axis order) is a
     # full-cache copy.

@@ -10,6 +10,7 @@ temperature shows the test rejects a different distribution.
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -48,7 +49,7 @@ def exact_distribution(tc, tp, cfg: SamplingConfig) -> dict:
     seqs = list(itertools.product(range(VOCAB), repeat=NEW))
     tokens = np.asarray([PROMPT + list(s) for s in seqs], np.int32)
     positions = np.broadcast_to(np.arange(tokens.shape[1]), tokens.shape)
-    logits = np.asarray(TargetModel(tc).apply({"params": tp}, tokens, positions).logits)
+    logits = np.asarray(jax.jit(TargetModel(tc).apply)({"params": tp}, tokens, positions).logits)
     n = len(PROMPT)
     dist = {}
     for i, s in enumerate(seqs):

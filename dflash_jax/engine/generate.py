@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -140,9 +140,12 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
 
 
 def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings, target_params: dict,
-                state: LoopState, dtype: Any = jnp.float32) -> LoopState:
+                state: LoopState, step_limit: jax.Array, dtype: Any = jnp.float32) -> LoopState:
+    """Rounds until every row is done, or until ``step_limit`` rounds in total (a traced value, so streaming
+    can resume the same compiled loop chunk by chunk)."""
+
     def cond(s: LoopState):
-        return (~jnp.all(s.done)) & (s.step < settings.max_new_tokens)
+        return (~jnp.all(s.done)) & (s.step < jnp.minimum(step_limit, settings.max_new_tokens))
 
     body = functools.partial(decode_round, target_config, proposer, settings, target_params, dtype=dtype)
     return jax.lax.while_loop(cond, body, state)
@@ -178,6 +181,11 @@ class GenerationResult:
         return float(np.mean(flat)) if flat else float("nan")
 
 
+def _committed(state: LoopState) -> list[list[int]]:
+    out, num = np.asarray(state.out), np.asarray(state.num_out)
+    return [out[i, : num[i]].tolist() for i in range(out.shape[0])]
+
+
 def bucket(n: int, multiple: int = 16) -> int:
     return max(multiple, -(-n // multiple) * multiple)
 
@@ -192,9 +200,15 @@ def generate(
     seed: int = 0,
     dtype: Any = jnp.float32,
     max_prompt_len: int | None = None,
+    on_tokens: Callable[[list[list[int]]], None] | None = None,
+    chunk_rounds: int = 8,
 ) -> GenerationResult:
     """Generate for a batch of token-id prompts of any lengths. Prompts are right-padded to a multiple of 16
-    (or ``max_prompt_len``) so that nearby lengths share one compiled program."""
+    (or ``max_prompt_len``) so that nearby lengths share one compiled program.
+
+    With ``on_tokens`` the loop runs ``chunk_rounds`` rounds at a time and the callback receives every row's
+    tokens so far after each chunk (streaming); otherwise the whole decode is one device call.
+    """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     longest = max(len(p) for p in prompts)
@@ -217,14 +231,22 @@ def generate(
     t0 = time.perf_counter()
     pre_c = pre.lower(target_params, proposer_state, tokens, lengths, key).compile()
     state_shape = jax.eval_shape(pre, target_params, proposer_state, tokens, lengths, key)
-    loop_c = loop.lower(target_params, state_shape).compile()
+    loop_c = loop.lower(target_params, state_shape, jnp.int32(0)).compile()
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     state = jax.block_until_ready(pre_c(target_params, proposer_state, tokens, lengths, key))
     prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    state = jax.block_until_ready(loop_c(target_params, state))
+    if on_tokens is None:
+        state = jax.block_until_ready(loop_c(target_params, state, jnp.int32(settings.max_new_tokens)))
+    else:
+        on_tokens(_committed(state))
+        limit = 0
+        while not bool(np.all(np.asarray(state.done))) and limit < settings.max_new_tokens:
+            limit += chunk_rounds
+            state = loop_c(target_params, state, jnp.int32(limit))
+            on_tokens(_committed(state))
     decode_s = time.perf_counter() - t0
 
     out, num_out, rounds, accept = (np.asarray(x) for x in (state.out, state.num_out, state.rounds, state.accept))
