@@ -28,6 +28,7 @@ from typing import Any
 from dflash_jax.checkpoints import orbax_io
 from dflash_jax.checkpoints.safetensors_io import CheckpointError
 from dflash_jax.models.config import ConfigError
+from infer.cli import Parser, UsageError, run_cli
 
 PROG = "python -m infer convert"
 DTYPE_CHOICES = ("keep", "float32", "bfloat16")
@@ -44,17 +45,8 @@ EXTRA_FILES = (
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 
 
-class UsageError(Exception):
-    """A bad command line; reported as one ``error: ...`` line with exit code 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print the usage and call sys.exit(2)
-        raise UsageError(message)
-
-
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog=prog,
         description=textwrap.fill(
             "Convert a checkpoint between the official / Hugging Face layout (config.json + safetensors) and "
@@ -323,22 +315,11 @@ def convert(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except UsageError as e:
-        print(f"error: {e} (see {PROG} --help)", file=sys.stderr)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0) if not isinstance(e.code, str) else 2
-    try:
-        summary = convert(args)
-    except (ConfigError, CheckpointError, ValueError, FileNotFoundError, OSError) as e:
-        message = " ".join(str(e).split()) or type(e).__name__
-        print(f"error: {message}", file=sys.stderr)
-        return 2
-    print(summary)
-    return 0
+    def action(args: argparse.Namespace) -> int:
+        print(convert(args))
+        return 0
+
+    return run_cli(build_parser(), action, argv)
 
 
 if __name__ == "__main__":

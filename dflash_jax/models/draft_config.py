@@ -177,6 +177,22 @@ class DraftConfig:
             out["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
         return out
 
+    @classmethod
+    def for_target(cls, target: TargetConfig, num_layers: int = 5, block_size: int = 16,
+                   mask_token_id: int | None = None, target_layer_ids: tuple[int, ...] | None = None) -> "DraftConfig":
+        """A Qwen3-style draft shaped like ``target`` (the recipe of the released drafts): same width, heads,
+        head size, MLP size and RoPE; the mask token defaults to the last embedding row."""
+        return cls(
+            hidden_size=target.hidden_size, num_hidden_layers=num_layers,
+            num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+            head_dim=target.head_dim, intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
+            rope=target.rope, vocab_size=target.vocab_size, block_size=block_size,
+            num_target_layers=target.num_hidden_layers,
+            target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(target.num_hidden_layers, num_layers)),
+            mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            layer_types=("full_attention",) * num_layers, max_position_embeddings=target.max_position_embeddings,
+        )
+
     def validate_against(self, target: TargetConfig, source: str = "draft config") -> None:
         """Refuse a draft that cannot run on ``target``; each message names the field and both values."""
         if self.hidden_size != target.hidden_size:

@@ -1,0 +1,105 @@
+"""A loaded target (+ optional draft) ready to generate: the object behind ``python -m infer``.
+
+It owns the choice between DFlash and the autoregressive baseline, which share one engine, so the measured
+speedup compares like with like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax.numpy as jnp
+
+from dflash_jax.checkpoints.hf_target import resolve_dtype
+from dflash_jax.engine.generate import DecodeSettings, GenerationResult, bucket, generate
+from dflash_jax.engine.proposers import DFlashProposer, NoProposer
+from dflash_jax.engine.sampling import SamplingConfig
+from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.draft import shared_head
+from dflash_jax.models.draft_config import DraftConfig
+
+
+@dataclasses.dataclass
+class Decoder:
+    target_config: TargetConfig
+    target_params: dict
+    draft_config: DraftConfig | None = None
+    draft_params: dict | None = None
+    block_size: int | None = None  # defaults to the draft's block size
+    dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        self.dtype = resolve_dtype(self.dtype)
+        if self.draft_config is not None:
+            self.draft_config.validate_against(self.target_config)
+            if self.block_size is None:
+                self.block_size = self.draft_config.block_size
+            if not 2 <= self.block_size <= self.draft_config.block_size:
+                raise ValueError(
+                    f"--block-size {self.block_size} must be between 2 and the draft's block_size "
+                    f"{self.draft_config.block_size}"
+                )
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft_config is not None
+
+    def check_fits(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
+        """Refuse before compiling anything when a prompt cannot fit the cache."""
+        block = self.block_size or 1
+        longest = max(prompt_lengths)
+        limit = self.target_config.max_position_embeddings
+        if bucket(longest) + max_new_tokens > limit:
+            raise ValueError(
+                f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} does not fit the "
+                f"{limit}-position cache of this target (max_position_embeddings); shorten the prompt or "
+                f"lower --max-new-tokens (block {block})"
+            )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: SamplingConfig = SamplingConfig(),
+        stop_tokens: Sequence[int] = (),
+        baseline: bool = False,
+        seed: int = 0,
+        on_tokens: Callable[[list[list[int]]], None] | None = None,
+    ) -> GenerationResult:
+        self.check_fits([len(p) for p in prompts], max_new_tokens)
+        settings = DecodeSettings(max_new_tokens, sampling, tuple(int(t) for t in stop_tokens))
+        if baseline or not self.has_draft:
+            return generate(self.target_config, self.target_params, prompts, NoProposer(), {}, settings, seed,
+                            self.dtype, on_tokens=on_tokens)
+        proposer = DFlashProposer(self.draft_config, self.block_size, sampling, self.dtype)
+        slots = bucket(max(len(p) for p in prompts)) + max_new_tokens + self.block_size
+        state = proposer.init_state(
+            self.draft_params, shared_head(self.target_params, self.target_config.tie_word_embeddings),
+            len(prompts), slots,
+        )
+        return generate(self.target_config, self.target_params, prompts, proposer, state, settings, seed,
+                        self.dtype, on_tokens=on_tokens)
+
+
+def stop_tokens_of(target_config: TargetConfig, tokenizer: Any = None, target_dir: Path | None = None) -> list[int]:
+    """EOS ids from the model config, ``generation_config.json`` and the tokenizer."""
+    ids = set(target_config.eos_token_ids)
+    if target_dir is not None and (target_dir / "generation_config.json").is_file():
+        eos = json.loads((target_dir / "generation_config.json").read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def encode_conversation(tokenizer: Any, messages: list[dict], use_chat_template: bool = True) -> list[int]:
+    """Token ids of a conversation ending in a user turn, with the generation prompt and thinking off when
+    the tokenizer has a chat template; otherwise the plain text of the last message (with BOS)."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(messages[-1]["content"])["input_ids"])

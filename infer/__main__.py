@@ -1,0 +1,25 @@
+"""Dispatch ``python -m infer [bench|speed|convert|demo] ...``; no subcommand means generate."""
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sub = argv[0] if argv else None
+    if sub == "convert":
+        from infer.convert import main as run
+    elif sub == "bench":
+        from infer.bench import main as run
+    elif sub == "speed":
+        from infer.speed import main as run
+    elif sub == "demo":
+        from infer.demo import main as run
+    else:
+        from infer.run import main as run
+
+        return run(argv)
+    return run(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

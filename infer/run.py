@@ -1,0 +1,218 @@
+"""``python -m infer --target DIR --ckpt DIR --prompt TEXT``: generate with DFlash (and optionally the
+autoregressive baseline on the same engine) and report tau, tokens/s and speedup."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer, tokenizer_dir
+from dflash_jax.engine.decoder import Decoder, encode_conversation, stop_tokens_of
+from dflash_jax.engine.generate import GenerationResult
+from dflash_jax.engine.sampling import SamplingConfig
+from infer.cli import Parser, UsageError, run_cli
+
+PROG = "python -m infer"
+
+
+def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False) -> None:
+    parser.add_argument("--target", required=True, metavar="DIR",
+                        help="the target model: a Hugging Face directory (config.json + safetensors + tokenizer) "
+                             "or an Orbax checkpoint written by 'python -m infer convert'")
+    parser.add_argument("--ckpt", required=need_draft, metavar="DIR",
+                        help="the DFlash draft: an official draft directory (config.json + model.safetensors) or "
+                             "an Orbax checkpoint" + ("" if need_draft else "; without it only the baseline runs"))
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="tokenizer directory (default: the target's own tokenizer files)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="compute and parameter dtype (default float32; use bfloat16 on GPU/TPU)")
+    parser.add_argument("--block-size", type=int, metavar="B",
+                        help="tokens per round (anchor + B-1 drafts), at most the draft's block_size (default)")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
+                        help="stop after N generated tokens (default 256)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default) is greedy; > 0 samples with lossless rejection sampling")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog=PROG,
+        description=textwrap.dedent("""\
+            Generate with a DFlash draft and its target. Subcommands:
+              python -m infer bench ...    the paper's benchmark protocol on the prompt sets
+              python -m infer speed ...    per-round timings and the speedup bound on this machine
+              python -m infer convert ...  official/Hugging Face directories <-> Orbax
+              python -m infer demo         stories260K end to end (needs ../shared/data)
+            Without a subcommand: generate for --prompt / --prompt-file."""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit codes: 0 success, 2 bad arguments, files or prompts (one 'error: ...' line on stderr).",
+    )
+    add_model_args(parser)
+    parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                        help="a prompt (repeat for a batch)")
+    parser.add_argument("--prompt-file", metavar="FILE",
+                        help="prompts from a file: .txt (one per line), .json (a list of strings) or .jsonl "
+                             "(objects with 'prompt', 'question', 'problem', 'instruction' or 'turns'); .gz ok")
+    add_sampling_args(parser)
+    parser.add_argument("--baseline", action="store_true",
+                        help="also run plain autoregressive decoding on the same engine and report the speedup")
+    parser.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                        help="feed the raw prompt text instead of the tokenizer's chat template")
+    parser.add_argument("--stream", action="store_true", help="print tokens as they are committed (batch of 1)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document with all results instead of text")
+    return parser
+
+
+PROMPT_FIELDS = ("prompt", "question", "problem", "instruction", "text")
+
+
+def read_prompt_file(path: Path) -> list[str]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: prompt file not found")
+    opener = gzip.open if path.suffix == ".gz" else open
+    name = path.name[:-3] if path.suffix == ".gz" else path.name
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    if name.endswith(".txt"):
+        return [line for line in text.splitlines() if line.strip()]
+    try:
+        if name.endswith(".json"):
+            rows = json.loads(text)
+        else:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    prompts = []
+    for i, row in enumerate(rows):
+        if isinstance(row, str):
+            prompts.append(row)
+            continue
+        if isinstance(row, dict):
+            if isinstance(row.get("turns"), list) and row["turns"]:
+                prompts.append(str(row["turns"][0]))
+                continue
+            field = next((k for k in PROMPT_FIELDS if isinstance(row.get(k), str)), None)
+            if field:
+                prompts.append(row[field])
+                continue
+        raise ValueError(f"{path}: entry {i} has no prompt field (one of {', '.join(PROMPT_FIELDS)} or 'turns')")
+    return prompts
+
+
+def load_decoder(args: argparse.Namespace, need_draft: bool = True):
+    """Target, draft and tokenizer from the common flags; returns (decoder, tokenizer, stop_tokens)."""
+    target_path = Path(args.target)
+    target_config, target_params = load_target_any(target_path, dtype=args.dtype, progress=True)
+    tok_dir = Path(args.tokenizer) if args.tokenizer else tokenizer_dir(target_path)
+    tokenizer = load_tokenizer(tok_dir)
+    draft_config = draft_params = None
+    if args.ckpt:
+        draft_config, draft_params = load_draft_any(args.ckpt, dtype=args.dtype, progress=True)
+        draft_config.validate_against(target_config, source=str(args.ckpt))
+    elif need_draft:
+        raise UsageError("--ckpt (the draft) is required")
+    if args.block_size is not None and draft_config is None:
+        raise UsageError("--block-size needs a draft (--ckpt)")
+    decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype)
+    return decoder, tokenizer, stop_tokens_of(target_config, tokenizer, tok_dir)
+
+
+def sampling_of(args: argparse.Namespace) -> SamplingConfig:
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    return SamplingConfig(args.temperature, args.top_k, args.top_p)
+
+
+def tokens_per_second(result: GenerationResult) -> float:
+    # The first token comes from the prefill; decode throughput counts the rest.
+    decoded = result.num_tokens - len(result.tokens)
+    return decoded / result.decode_s if result.decode_s > 0 else float("nan")
+
+
+def summarize(dflash: GenerationResult | None, baseline: GenerationResult | None) -> dict:
+    out: dict = {}
+    for name, r in (("dflash", dflash), ("baseline", baseline)):
+        if r is not None:
+            out[name] = {"tokens": r.num_tokens, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
+                         "compile_s": r.compile_s, "tokens_per_s": tokens_per_second(r), "tau": r.tau}
+    if dflash is not None and baseline is not None:
+        out["speedup"] = out["dflash"]["tokens_per_s"] / out["baseline"]["tokens_per_s"]
+    return out
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        prompts += read_prompt_file(Path(args.prompt_file))
+    if not prompts:
+        raise UsageError("give at least one --prompt or a --prompt-file")
+    if args.stream and len(prompts) != 1:
+        raise UsageError("--stream needs exactly one prompt")
+    sampling = sampling_of(args)
+    decoder, tokenizer, stops = load_decoder(args, need_draft=not args.baseline)
+    ids = [encode_conversation(tokenizer, [{"role": "user", "content": p}], args.chat_template) for p in prompts]
+
+    on_tokens = None
+    if args.stream and not args.json:
+        shown = {"text": ""}
+
+        def on_tokens(rows):
+            text = tokenizer.decode(rows[0], skip_special_tokens=True)
+            print(text[len(shown["text"]):], end="", flush=True)
+            shown["text"] = text
+
+    dflash = None
+    if decoder.has_draft:
+        dflash = decoder.generate(ids, args.max_new_tokens, sampling, stops, seed=args.seed, on_tokens=on_tokens)
+        if on_tokens:
+            print()
+    baseline = None
+    if args.baseline or not decoder.has_draft:
+        baseline = decoder.generate(ids, args.max_new_tokens, sampling, stops, baseline=True, seed=args.seed,
+                                    on_tokens=None if dflash else on_tokens)
+    main_result = dflash or baseline
+    summary = summarize(dflash, baseline)
+    rows = []
+    for i, p in enumerate(prompts):
+        row = {"prompt": p, "text": tokenizer.decode(main_result.tokens[i], skip_special_tokens=True),
+               "tokens": main_result.tokens[i]}
+        if dflash is not None:
+            row["accept_lengths"] = dflash.accept_lengths[i]
+        if dflash is not None and baseline is not None:
+            row["matches_baseline"] = dflash.tokens[i] == baseline.tokens[i]
+        rows.append(row)
+    if args.json:
+        print(json.dumps({"results": rows, "summary": summary}, indent=2))
+        return 0
+    if not args.stream:
+        for row in rows:
+            print(f"### {row['prompt']}\n{row['text']}\n")
+    print(format_summary(summary), file=sys.stderr if args.stream else sys.stdout)
+    return 0
+
+
+def format_summary(summary: dict) -> str:
+    lines = []
+    for name in ("dflash", "baseline"):
+        if name in summary:
+            s = summary[name]
+            tau = f", tau {s['tau']:.2f}" if name == "dflash" else ""
+            lines.append(f"{name:8s}: {s['tokens']} tokens, {s['tokens_per_s']:.1f} tok/s decode "
+                         f"({s['decode_s']:.3f} s), prefill {s['prefill_s']:.3f} s{tau}")
+    if "speedup" in summary:
+        lines.append(f"speedup : {summary['speedup']:.2f}x (decode tokens/s, DFlash vs baseline, same engine)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), generate_main, argv)
