@@ -7,13 +7,13 @@ extension vs one full forward within 1e-5; greedy continuations identical token 
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from dflash_jax.checkpoints.hf_target import load_target  # noqa: E402
+from dflash_jax.engine.decoder import Decoder  # noqa: E402
 from dflash_jax.models.target import TargetModel, init_cache  # noqa: E402
 from hf_tiny import VARIANTS, make_hf_target  # noqa: E402
 
@@ -112,25 +112,13 @@ def test_prefill_then_extension_equals_full_forward(pair):
     np.testing.assert_allclose(np.concatenate(feats, 1), full.features, atol=1e-5, rtol=0)
 
 
-def greedy_with_cache(config, params, prompt, steps, slots=64):
-    model = TargetModel(config)
-    apply = jax.jit(model.apply)
-    cache = init_cache(config, 1, slots)
-    n = len(prompt)
-    out = apply({"params": params}, jnp.asarray(prompt)[None], jnp.arange(n)[None], cache)
-    nxt, cache, generated = int(jnp.argmax(out.logits[0, -1])), out.cache, []
-    for i in range(steps):
-        generated.append(nxt)
-        out = apply({"params": params}, jnp.asarray([[nxt]]), jnp.asarray([[n + i]]), cache)
-        nxt, cache = int(jnp.argmax(out.logits[0, -1])), out.cache
-    return generated
-
-
 def test_greedy_continuation_matches_generate(pair):
+    """Our decode engine (autoregressive baseline, prompts batched with different lengths) vs ``generate``."""
     _, hf_model, config, params = pair
-    for prompt in prompts(config.vocab_size, seed=2)[:2]:
-        ours = greedy_with_cache(config, params, prompt, 32)
+    batch = prompts(config.vocab_size, seed=2)
+    ours = Decoder(config, params).generate(batch, 32, baseline=True).tokens
+    for prompt, row in zip(batch, ours):
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor(prompt)[None], max_new_tokens=32, do_sample=False,
                                     min_new_tokens=32, pad_token_id=0)
-        assert ours == ref[0, len(prompt):].tolist()
+        assert row == ref[0, len(prompt):].tolist()
