@@ -141,7 +141,9 @@ def load_params(
     flat = flatten(abstract_params)
     out: dict[tuple[str, ...], Any] = {}
     missing = []
-    for path, leaf in tqdm(flat.items(), desc=f"loading {source.path.name}", disable=not progress, unit="tensor"):
+    # delay: small checkpoints load before a bar would be worth showing.
+    for path, leaf in tqdm(flat.items(), desc=f"loading {source.path.name}", disable=not progress, unit="tensor",
+                           delay=2.0):
         key = key_of(path)
         _, transpose = param_path_to_key(path)
         if key not in source.key_to_file:

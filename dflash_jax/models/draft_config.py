@@ -65,6 +65,11 @@ class DraftConfig:
             return cfg.get(key, default)
 
         merged = {**cfg, **{k: v for k, v in nested.items() if v is not None}}
+        if not nested and "block_size" not in cfg and "DFlashDraftModel" not in (cfg.get("architectures") or []):
+            raise ConfigError(
+                f"{source}: not a DFlash draft config (no 'dflash_config', 'block_size' or architectures "
+                f"['DFlashDraftModel']; model_type {cfg.get('model_type')!r}). Is this a target checkpoint?"
+            )
         hidden = require(cfg, "hidden_size", source)
         layers = require(cfg, "num_hidden_layers", source)
         heads = require(cfg, "num_attention_heads", source)

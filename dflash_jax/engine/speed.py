@@ -1,0 +1,534 @@
+"""Where DFlash's time goes on this machine: per-component timings, end-to-end decode and the speedup bound.
+
+Everything is measured in ONE process on the current default device with jitted functions: each function is
+compiled first (compile time is reported, never counted), run once untimed, then timed ``repeats`` times with
+``jax.block_until_ready``; the median is reported. Functions that write a KV cache take it as a donated
+argument, as the decode loop does, and every repetition gets a fresh copy made outside the timed region, so
+each repetition does the same work at the same context length.
+
+Components (batch ``b``, block ``B``, a cache holding ``context`` tokens):
+
+- ``ar_step``: the target on 1 token (logits + argmax, cache write), as one autoregressive step;
+- ``verify``: the target on ``B`` tokens with the draft's feature layers (one DFlash verification);
+- ``draft``: one draft forward over ``[anchor, mask x (B-1)]`` that also writes the previous round's ``B``
+  context features into the draft cache (as in every round);
+- ``round``: a full DFlash round, :func:`dflash_jax.engine.generate.decode_round` with the DFlash proposer;
+- ``ar_round``: an autoregressive round (the same function with :class:`NoProposer`).
+
+End to end, :func:`dflash_jax.engine.generate.generate` decodes the same prompts autoregressively, with an
+ORACLE proposer (the autoregressive output, with an error planted every ``tau`` positions so that every round
+accepts exactly ``tau - 1`` drafts plus the bonus token: DFlash's round structure at a chosen acceptance
+length, without any draft cost), and with the real DFlash draft. Greedy outputs must equal the
+autoregressive output token for token.
+
+A round of a draft reaching acceptance length ``tau`` replaces ``tau`` autoregressive steps by one
+verification and one draft forward, so the speedup is bounded by ``tau * t(ar_step) / (t(verify) +
+t(draft))``; the oracle pays no draft, so its bound is ``tau * t(ar_step) / t(verify)``. The report compares
+each measured speedup with its matching bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.checkpoints.hf_target import abstract_target_params
+from dflash_jax.checkpoints.official_draft import abstract_draft_params
+from dflash_jax.engine.generate import (
+    DecodeSettings, GenerationResult, bucket, compiled_functions, decode_round, generate,
+)
+from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
+from dflash_jax.engine.sampling import SamplingConfig
+from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.draft import shared_head
+from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.target import TargetModel
+
+# --------------------------------------------------------------------------------------------------------
+# Random-weight models from shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePreset:
+    """A Qwen3-style target and a DFlash draft shaped like it (same width, heads and MLP)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_layers: int
+    description: str
+
+
+SHAPE_PRESETS = {
+    "tiny": ShapePreset(64, 4, 4, 2, 16, 128, 256, 2, "hidden 64, 4 layers, vocab 256; draft 2 layers (quick)"),
+    "small": ShapePreset(512, 8, 8, 4, 64, 1536, 32000, 2,
+                         "hidden 512, 8 layers, 8/4 heads of 64, MLP 1536, vocab 32000; draft 2 layers"),
+}
+PAIRING_PRESETS = {
+    "qwen3-8b": "qwen3-8b-dflash-b16",
+    "qwen3-4b": "qwen3-4b-dflash-b16",
+}
+PRESETS = tuple(SHAPE_PRESETS) + tuple(PAIRING_PRESETS)
+
+
+def preset_description(name: str) -> str:
+    if name in SHAPE_PRESETS:
+        return SHAPE_PRESETS[name].description
+    return f"the real shapes of configs/{PAIRING_PRESETS[name]}.yaml (36 layers; draft 5 layers), random weights"
+
+
+def preset_configs(name: str, block_size: int | None = None,
+                   draft_layers: int | None = None) -> tuple[TargetConfig, DraftConfig]:
+    """Target and draft configs of a preset. Shape presets get a draft whose ``block_size`` is the requested
+    block (default 16); pairing presets keep the released draft's config (block 16)."""
+    if name in PAIRING_PRESETS:
+        from dflash_jax.configs import load_pairing
+
+        if draft_layers is not None:
+            raise ValueError(f"--draft-layers applies to the shape presets ({', '.join(SHAPE_PRESETS)}), "
+                             f"not to {name!r}, whose draft is the released one's shape")
+        pairing = load_pairing(PAIRING_PRESETS[name])
+        return pairing.target, pairing.draft
+    if name not in SHAPE_PRESETS:
+        raise ValueError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+    p = SHAPE_PRESETS[name]
+    target = TargetConfig.from_dict(dict(
+        model_type="qwen3", vocab_size=p.vocab_size, hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size, num_hidden_layers=p.num_hidden_layers,
+        num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
+        head_dim=p.head_dim, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ), source=f"preset {name}")
+    layers = p.draft_layers if draft_layers is None else draft_layers
+    if layers < 1:
+        raise ValueError(f"--draft-layers must be at least 1, got {layers}")
+    draft = DraftConfig.for_target(target, num_layers=layers, block_size=max(2, block_size or 16))
+    return target, draft
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) -> jax.Array:
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+
+def random_params(abstract: Any, seed: int = 0) -> Any:
+    """Random weights for a params tree of ``jax.ShapeDtypeStruct``, drawn with ``jax.random`` on the default
+    device (no host copy: fine for an 8B model on an accelerator). Norm weights are one, biases zero,
+    embeddings N(0, 1), linear kernels ``[in, out]`` N(0, 1/in). Timing does not depend on the values, but
+    these keep activations and logits at unit scale, so greedy choices are well separated and the
+    autoregressive and speculative outputs agree."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    key = jax.random.PRNGKey(seed)
+    out = []
+    for i, (path, leaf) in enumerate(leaves):
+        name = getattr(path[-1], "key", "")
+        shape, dtype = tuple(leaf.shape), leaf.dtype
+        if name == "weight" and len(shape) == 1:
+            out.append(jnp.ones(shape, dtype))
+        elif name == "bias":
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            std = 1.0 if name == "embedding" else shape[0] ** -0.5
+            out.append(_normal(jax.random.fold_in(key, i), shape, dtype, jnp.float32(std)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def preset_models(name: str, block_size: int | None = None, dtype: Any = jnp.float32, seed: int = 0,
+                  draft_layers: int | None = None) -> tuple[TargetConfig, dict, DraftConfig, dict]:
+    target, draft = preset_configs(name, block_size, draft_layers)
+    if block_size is not None and not 2 <= block_size <= draft.block_size:
+        raise ValueError(f"--block-size {block_size} must be between 2 and the draft's block_size {draft.block_size}")
+    target_params = random_params(abstract_target_params(target, dtype), seed)
+    draft_params = random_params(abstract_draft_params(draft, dtype), seed + 1)
+    return target, target_params, draft, draft_params
+
+
+# --------------------------------------------------------------------------------------------------------
+# Timing
+
+
+@dataclasses.dataclass
+class Timing:
+    name: str
+    compile_s: float
+    times_s: list[float]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.times_s)
+
+    def to_dict(self) -> dict:
+        return {"median_ms": self.median_s * 1e3, "min_ms": self.min_s * 1e3,
+                "times_ms": [t * 1e3 for t in self.times_s], "compile_s": self.compile_s}
+
+
+def fresh_copy(tree: Any) -> Any:
+    """A copy on device with new buffers (what a donated argument consumes)."""
+    return jax.block_until_ready(jax.tree.map(jnp.copy, tree))
+
+
+def measure(name: str, fn: Callable, fixed: Sequence[Any], template: Sequence[Any], repeats: int,
+            donate: bool = True) -> tuple[Timing, Any]:
+    """Compile ``fn(*fixed, *template)``, run it once, then time ``repeats`` calls on fresh copies of
+    ``template`` (donated when ``donate``). Returns the timing and the last output."""
+    n = len(fixed)
+    jitted = jax.jit(fn, donate_argnums=tuple(range(n, n + len(template))) if donate else ())
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*fixed, *template).compile()
+    compile_s = time.perf_counter() - t0
+    out = jax.block_until_ready(compiled(*fixed, *fresh_copy(template)))  # warm-up
+    times = []
+    for _ in range(repeats):
+        args = fresh_copy(template)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(compiled(*fixed, *args))
+        times.append(time.perf_counter() - t0)
+    return Timing(name, compile_s, times), out
+
+
+# --------------------------------------------------------------------------------------------------------
+# The benchmark
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedSettings:
+    batch: int = 1
+    block_size: int = 16
+    context: int = 256
+    new_tokens: int = 128
+    tau: int = 4
+    repeats: int = 10
+    e2e_repeats: int = 1
+    seed: int = 0
+    dtype: Any = jnp.float32
+
+    def validate(self) -> None:
+        checks = [
+            (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
+            (self.block_size >= 2, f"--block-size must be at least 2, got {self.block_size}"),
+            (self.context >= self.block_size,
+             f"--context ({self.context}) must be at least --block-size ({self.block_size}): the draft "
+             "timing rewrites the last block of context features"),
+            (self.new_tokens >= 2, f"--new-tokens must be at least 2, got {self.new_tokens}"),
+            (1 <= self.tau <= self.block_size,
+             f"--tau must be between 1 and --block-size ({self.block_size}), got {self.tau}"),
+            (self.repeats >= 1, f"--repeats must be at least 1, got {self.repeats}"),
+            (self.e2e_repeats >= 1, f"--e2e-repeats must be at least 1, got {self.e2e_repeats}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+def random_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, length).tolist() for _ in range(batch)]
+
+
+def plant_errors(prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]], tau: int, block: int,
+                 width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Reference tokens by absolute position (prompt + greedy continuation) and the positions to corrupt so
+    that every round accepts exactly ``tau`` tokens (``tau - 1`` drafts + the bonus): an error at every
+    ``tau``-th position after the first anchor (none when ``tau == block``: every round is full)."""
+    reference = np.zeros((len(prompts), width), np.int32)
+    errors = np.zeros((len(prompts), width), bool)
+    for b, (p, gen) in enumerate(zip(prompts, continuations)):
+        seq = list(p) + list(gen)
+        reference[b, : len(seq)] = seq
+        if tau < block:
+            errors[b, len(p) + tau:: tau] = True
+    return reference, errors
+
+
+def first_difference(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> str | None:
+    for row, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            i = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            return f"row {row} differs from token {i} on ({len(x)} vs {len(y)} tokens)"
+    return None
+
+
+def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSettings,
+                      prompts: list[list[int]]) -> dict[str, Timing]:
+    dtype, block, b = s.dtype, s.block_size, s.batch
+    target = TargetModel(tc, dtype)
+    settings = DecodeSettings(max_new_tokens=s.new_tokens)
+    width = bucket(s.context)
+    tokens = np.zeros((b, width), np.int32)
+    tokens[:, : s.context] = np.asarray(prompts, np.int32)
+    lengths = np.full((b,), s.context, np.int32)
+    key = jax.random.PRNGKey(s.seed)
+
+    # Caches filled by real prefills, with the slot counts generate() uses for each mode.
+    prop = DFlashProposer(dc, block, SamplingConfig(), dtype)
+    slots = width + s.new_tokens + block
+    pstate = prop.init_state(dp, shared_head(tp, tc.tie_word_embeddings), b, slots)
+    pre, _ = compiled_functions(tc, prop, settings, slots, dtype)
+    state0 = jax.block_until_ready(pre(tp, pstate, tokens, lengths, key))
+    ar_prop = NoProposer()
+    ar_pre, _ = compiled_functions(tc, ar_prop, settings, width + s.new_tokens + 1, dtype)
+    ar_state0 = jax.block_until_ready(ar_pre(tp, {}, tokens, lengths, key))
+    shared = state0.proposer["shared"]
+    start = state0.start  # [b] = context: the first anchor's position
+    timings = {}
+
+    def ar_step(params, cache, token, pos):
+        out = target.apply({"params": params}, token[:, None], pos[:, None], cache)
+        return jnp.argmax(out.logits[:, -1], axis=-1), out.cache
+
+    timings["ar_step"], _ = measure(
+        "ar_step", lambda p, t, q, c: ar_step(p, c, t, q), (tp, ar_state0.anchor, ar_state0.start),
+        (ar_state0.cache,), s.repeats)
+
+    rng = np.random.default_rng(s.seed + 7)
+    block_tokens = jnp.asarray(rng.integers(0, tc.vocab_size, (b, block)), jnp.int32)
+    block_positions = start[:, None] + jnp.arange(block, dtype=jnp.int32)[None]
+
+    def verify(params, toks, pos, cache):
+        out = target.apply({"params": params}, toks, pos, cache, feature_layers=dc.target_layer_ids)
+        return jnp.argmax(out.logits, axis=-1), out.features, out.cache
+
+    timings["verify"], (_, features, _) = measure(
+        "verify", verify, (tp, block_tokens, block_positions), (state0.cache,), s.repeats)
+
+    # The previous round's B verified positions (here the last B of the context) are written in the forward.
+    ctx = (features, start[:, None] - block + jnp.arange(block, dtype=jnp.int32)[None], jnp.ones((b, block), bool))
+    draft_key = jax.random.PRNGKey(s.seed + 1)
+
+    def draft(params, sh, ctx_, anchor, st, cache):
+        drafts, _, new = prop.propose({"params": params, "shared": sh, "cache": cache}, ctx_, anchor, st, draft_key)
+        return drafts, new["cache"]
+
+    timings["draft"], _ = measure(
+        "draft", draft, (dp, shared, ctx, state0.anchor, start), (state0.proposer["cache"],), s.repeats)
+
+    # A whole round (the first after prefill), params kept out of the donated state.
+    def dflash_round(params, draft_params, sh, state):
+        full = state._replace(proposer={"params": draft_params, "shared": sh, "cache": state.proposer["cache"]})
+        out = decode_round(tc, prop, settings, params, full, dtype=dtype)
+        return out._replace(proposer={"cache": out.proposer["cache"]})
+
+    rest = state0._replace(proposer={"cache": state0.proposer["cache"]})
+    timings["round"], _ = measure("round", dflash_round, (tp, dp, shared), (rest,), s.repeats)
+
+    def ar_round(params, state):
+        return decode_round(tc, ar_prop, settings, params, state, dtype=dtype)
+
+    timings["ar_round"], _ = measure("ar_round", ar_round, (tp,), (ar_state0,), s.repeats)
+    return timings
+
+
+@dataclasses.dataclass
+class E2E:
+    name: str
+    results: list[GenerationResult]
+
+    @property
+    def first(self) -> GenerationResult:
+        return self.results[0]
+
+    @property
+    def decode_s(self) -> float:
+        return statistics.median(r.decode_s for r in self.results)
+
+    @property
+    def decoded(self) -> int:
+        """Tokens produced by the decode loop (the first token of each row comes from the prefill)."""
+        r = self.first
+        return r.num_tokens - len(r.tokens)
+
+    @property
+    def rounds(self) -> int:
+        return int(sum(self.first.rounds))
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.decoded / self.rounds if self.rounds else float("nan")
+
+    def to_dict(self) -> dict:
+        r = self.first
+        return {
+            "decode_s": self.decode_s, "decode_s_all": [x.decode_s for x in self.results],
+            "prefill_s": r.prefill_s, "compile_s": r.compile_s, "tokens": r.num_tokens,
+            "decoded_tokens": self.decoded, "rounds": self.rounds, "tokens_per_s": self.decoded / self.decode_s,
+            "tau": r.tau, "tokens_per_round": self.tokens_per_round, "accept_lengths": r.accept_lengths,
+        }
+
+
+def run_e2e(name: str, repeats: int, fn: Callable[[], GenerationResult]) -> E2E:
+    results = [fn() for _ in range(repeats)]
+    for r in results[1:]:
+        if r.tokens != results[0].tokens:
+            raise RuntimeError(f"{name}: repeated runs gave different tokens (non-deterministic decode?)")
+    return E2E(name, results)
+
+
+def machine_info() -> dict:
+    dev = jax.devices()[0]
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"jax": jax.__version__, "backend": dev.platform, "device": dev.device_kind,
+            "num_devices": jax.device_count(), "machine": platform.machine(), "cpu": cpu,
+            "cpu_count": os.cpu_count(), "python": platform.python_version()}
+
+
+def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSettings,
+              log: Callable[[str], None] = lambda _: None) -> dict:
+    """The whole benchmark; returns a JSON-ready report (see :func:`format_report`)."""
+    s.validate()
+    DFlashProposer(dc, s.block_size, SamplingConfig(), s.dtype)  # validates the block size against the draft
+    prompts = random_prompts(tc.vocab_size, s.batch, s.context, s.seed)
+    settings = DecodeSettings(max_new_tokens=s.new_tokens)
+    t_start = time.perf_counter()
+
+    log("timing components (ar_step, verify, draft, round, ar_round) ...")
+    comp = component_timings(tc, tp, dc, dp, s, prompts)
+
+    log("end to end: autoregressive ...")
+    ar = run_e2e("autoregressive", s.e2e_repeats,
+                 lambda: generate(tc, tp, prompts, NoProposer(), {}, settings, seed=s.seed, dtype=s.dtype))
+    width = bucket(s.context) + s.new_tokens + s.block_size
+    reference, errors = plant_errors(prompts, ar.first.tokens, s.tau, s.block_size, width)
+    oracle = OracleProposer(s.block_size, tc.vocab_size)
+    ostate = oracle.init_state(jnp.asarray(reference), jnp.asarray(errors))
+    log(f"end to end: DFlash with an oracle proposer (tau {s.tau}) ...")
+    orc = run_e2e("oracle", s.e2e_repeats,
+                  lambda: generate(tc, tp, prompts, oracle, ostate, settings, seed=s.seed, dtype=s.dtype))
+    prop = DFlashProposer(dc, s.block_size, SamplingConfig(), s.dtype)
+    pstate = prop.init_state(dp, shared_head(tp, tc.tie_word_embeddings), s.batch, width)
+    log("end to end: DFlash with the draft ...")
+    drf = run_e2e("draft", s.e2e_repeats,
+                  lambda: generate(tc, tp, prompts, prop, pstate, settings, seed=s.seed, dtype=s.dtype))
+
+    t = {k: v.median_s for k, v in comp.items()}
+    tau = float(s.tau)
+    bounds = {
+        "with_draft": tau * t["ar_step"] / (t["verify"] + t["draft"]),
+        "without_draft": tau * t["ar_step"] / t["verify"],
+        "rounds": tau * t["ar_round"] / t["round"],
+    }
+    e2e = {}
+    for run, kind in ((ar, None), (orc, "without_draft"), (drf, "with_draft")):
+        d = run.to_dict()
+        d["speedup"] = ar.decode_s / run.decode_s
+        mismatch = first_difference(run.first.tokens, ar.first.tokens)
+        d["identical_to_ar"] = mismatch is None
+        d["mismatch"] = mismatch
+        if kind is not None:
+            cost = t["verify"] + (t["draft"] if kind == "with_draft" else 0.0)
+            d["bound_kind"] = kind
+            d["bound"] = run.tokens_per_round * t["ar_step"] / cost
+            d["measured_over_bound"] = d["speedup"] / d["bound"]
+        e2e[run.name] = d
+    e2e["autoregressive"]["ar_s_per_token"] = ar.decode_s / ar.decoded
+
+    return {
+        "settings": {"batch": s.batch, "block_size": s.block_size, "context": s.context,
+                     "new_tokens": s.new_tokens, "tau": s.tau, "repeats": s.repeats,
+                     "e2e_repeats": s.e2e_repeats, "seed": s.seed, "dtype": jnp.dtype(s.dtype).name},
+        "models": {
+            "target": {"layers": tc.num_hidden_layers, "hidden": tc.hidden_size, "heads": tc.num_attention_heads,
+                       "kv_heads": tc.num_key_value_heads, "head_dim": tc.head_dim,
+                       "intermediate": tc.intermediate_size, "vocab": tc.vocab_size,
+                       "params": _count(tp)},
+            "draft": {"layers": dc.num_hidden_layers, "feature_layers": list(dc.target_layer_ids),
+                      "params": _count(dp)},
+        },
+        "machine": machine_info(),
+        "timings": {k: v.to_dict() for k, v in comp.items()},
+        "ratios": {"verify_over_ar_step": t["verify"] / t["ar_step"], "draft_over_verify": t["draft"] / t["verify"],
+                   "round_overhead_ms": (t["round"] - t["verify"] - t["draft"]) * 1e3},
+        "bounds": bounds,
+        "e2e": e2e,
+        "estimate_with_draft_at_tau": bounds["with_draft"] * e2e["oracle"]["measured_over_bound"],
+        "total_s": time.perf_counter() - t_start,
+    }
+
+
+def _count(params: Any) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def format_report(r: dict, title: str = "") -> str:
+    s, t, e = r["settings"], r["timings"], r["e2e"]
+    m, mach = r["models"], r["machine"]
+    ar = t["ar_step"]["median_ms"]
+    tau, block = s["tau"], s["block_size"]
+    nfeat = len(m["draft"]["feature_layers"])
+    lines = []
+    if title:
+        lines.append(title)
+    lines += [
+        f"target {m['target']['layers']} layers, hidden {m['target']['hidden']}, vocab {m['target']['vocab']} "
+        f"({m['target']['params'] / 1e6:.1f}M params); draft {m['draft']['layers']} layers "
+        f"({m['draft']['params'] / 1e6:.1f}M params, features of target layers {m['draft']['feature_layers']})",
+        f"{s['dtype']}, batch {s['batch']}, block {block}, context {s['context']}, {s['new_tokens']} new tokens, "
+        f"tau {tau}; JAX {mach['jax']} on {mach['backend']} ({mach['device']}; {mach['machine']}, "
+        f"{mach['cpu_count']} CPUs)",
+        "",
+        f"Components (jitted, median of {s['repeats']} runs, compile excluded)   median ms     min ms   x AR step",
+    ]
+    rows = [
+        ("ar_step", f"AR step   target, 1 token, cache of {s['context']}"),
+        ("verify", f"verify    target, {block} tokens + {nfeat} feature layers"),
+        ("draft", f"draft     draft forward, block {block} + context write"),
+        ("round", "round     DFlash round (draft + verify + accept)"),
+        ("ar_round", "AR round  autoregressive round (step + accept)"),
+    ]
+    for key, label in rows:
+        lines.append(f"  {label:60s} {t[key]['median_ms']:9.3f}  {t[key]['min_ms']:9.3f}  "
+                     f"{t[key]['median_ms'] / ar:9.2f}")
+    lines.append(f"  {'round - verify - draft (engine overhead)':60s} {r['ratios']['round_overhead_ms']:9.3f}")
+    lines += [
+        "",
+        "End to end (engine.generate.generate, decode only; speedup = AR decode s / decode s, same tokens)",
+        f"  {'mode':26s} {'tokens':>6s} {'rounds':>6s} {'tok/round':>9s} {'decode s':>9s} {'tok/s':>9s} "
+        f"{'speedup':>8s} {'bound':>7s} {'meas/bound':>10s}  same as AR",
+    ]
+    names = {"autoregressive": "autoregressive", "oracle": f"DFlash, oracle tau={tau}",
+             "draft": "DFlash, the draft"}
+    for key in ("autoregressive", "oracle", "draft"):
+        d = e[key]
+        bound = f"{d['bound']:6.2f}x" if "bound" in d else f"{'':7s}"
+        ratio = f"{d['measured_over_bound']:10.2f}" if "measured_over_bound" in d else f"{'':10s}"
+        lines.append(
+            f"  {names[key]:26s} {d['decoded_tokens']:6d} {d['rounds']:6d} {d['tokens_per_round']:9.2f} "
+            f"{d['decode_s']:9.3f} {d['tokens_per_s']:9.1f} {d['speedup']:7.2f}x {bound} {ratio}  "
+            f"{'yes' if d['identical_to_ar'] else 'NO: ' + str(d['mismatch'])}")
+    b = r["bounds"]
+    lines += [
+        "  (bound: tokens/round x t(AR step) / t(verify) for the oracle, which has no draft cost;",
+        "          tokens/round x t(AR step) / (t(verify) + t(draft)) for the draft)",
+        "",
+        f"Bounds at tau = {tau}:",
+        f"  tau * t(AR step) / (t(verify) + t(draft)) = {b['with_draft']:.2f}x   (a draft reaching tau {tau})",
+        f"  tau * t(AR step) / t(verify)              = {b['without_draft']:.2f}x   (no draft cost: the oracle)",
+        f"  tau * t(AR round) / t(round)              = {b['rounds']:.2f}x   (whole rounds, engine overhead included)",
+        f"  oracle measured / its bound = {e['oracle']['measured_over_bound']:.2f}; "
+        f"so a draft reaching tau {tau} would give about {r['estimate_with_draft_at_tau']:.2f}x here",
+        f"  verify({block}) / AR step = {r['ratios']['verify_over_ar_step']:.2f}  "
+        f"(1.0 would be free verification, as on a GPU at small batch); draft / verify = "
+        f"{r['ratios']['draft_over_verify']:.2f}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""``python -m infer bench``: the DFlash paper's benchmark protocol (SPEC section 8) on the shared prompt sets.
+
+For every sample and turn (batch 1), the autoregressive baseline and DFlash run through the same engine;
+the report gives tau, the decode speedup (mean baseline / mean DFlash time per output token, prefill and
+compilation excluded), both TPOTs, the acceptance-length histogram and, when greedy, whether DFlash
+reproduced the baseline token for token. Writes results.json, results.md and acceptance.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+
+from dflash_jax.engine.bench import DATASETS, load_datasets, markdown_table, run_bench, write_report
+from infer.cli import Parser, UsageError, run_cli
+from infer.run import add_model_args, add_sampling_args, load_decoder, sampling_of
+
+PROG = "python -m infer bench"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
+PAPER_MAX_NEW_TOKENS = 2048
+
+
+def _set_help(parser: argparse.ArgumentParser, flag: str, text: str) -> None:
+    for action in parser._actions:
+        if flag in action.option_strings:
+            action.help = text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog=PROG,
+        description=__doc__ + textwrap.dedent(f"""
+            Datasets (files in --prompts-dir): {', '.join(DATASETS)}. Math prompts get the paper's
+            "Please reason step by step, ..." suffix; MT-Bench's second turn follows the model's own first
+            answer (DFlash's output). Samples are the first N of each file, in file order."""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit codes: 0 success, 2 bad arguments, files or prompts (one 'error: ...' line on stderr).",
+    )
+    add_model_args(parser, need_draft=True)
+    parser.add_argument("--prompts-dir", default=str(DEFAULT_PROMPTS), metavar="DIR",
+                        help="folder holding the prompt files (default: ../shared/data/prompts next to the repo)")
+    parser.add_argument("--datasets", default=",".join(DATASETS), metavar="LIST",
+                        help=f"comma-separated datasets to run (default: all of {','.join(DATASETS)})")
+    parser.add_argument("--max-samples", type=int, default=10, metavar="N",
+                        help="samples per dataset, the first N in file order (default 10; 0 = the whole set)")
+    add_sampling_args(parser)
+    parser.set_defaults(max_new_tokens=PAPER_MAX_NEW_TOKENS)
+    _set_help(parser, "--max-new-tokens",
+              f"stop each turn after N generated tokens (default {PAPER_MAX_NEW_TOKENS}, as the paper)")
+    _set_help(parser, "--seed", "random seed of the sampler, the same for every turn (default 0); it only "
+                                "matters with --temperature > 0, since samples are taken in file order")
+    parser.add_argument("--out", default="runs/bench", metavar="DIR",
+                        help="where results.json, results.md and acceptance.png are written (default runs/bench)")
+    parser.add_argument("--no-chat-template", dest="chat_template", action="store_false",
+                        help="feed the raw conversation text (turns joined by blank lines) instead of the "
+                             "tokenizer's chat template (the paper uses the template, thinking off)")
+    return parser
+
+
+def parse_datasets(text: str) -> list[str]:
+    names = []
+    for name in (n.strip() for n in text.split(",")):
+        if name and name not in names:
+            names.append(name)
+    if not names:
+        raise UsageError(f"--datasets is empty; valid names: {', '.join(DATASETS)}")
+    unknown = [n for n in names if n not in DATASETS]
+    if unknown:
+        raise UsageError(f"unknown dataset {', '.join(map(repr, unknown))} in --datasets; "
+                         f"valid names: {', '.join(DATASETS)}")
+    return names
+
+
+def bench_main(args: argparse.Namespace) -> int:
+    names = parse_datasets(args.datasets)
+    if args.max_samples < 0:
+        raise UsageError(f"--max-samples must be >= 0, got {args.max_samples}")
+    sampling = sampling_of(args)
+    prompts_dir = Path(args.prompts_dir)
+    if not prompts_dir.is_dir():
+        raise FileNotFoundError(f"prompts directory not found: {prompts_dir} (pass --prompts-dir)")
+    # Read every prompt file before loading any model, so a bad file fails fast.
+    datasets = load_datasets(prompts_dir, names, args.max_samples or None)
+
+    decoder, tokenizer, stops = load_decoder(args, need_draft=True)
+    n = sum(len(s) for s in datasets.values())
+    print(f"bench: {', '.join(f'{k} ({len(v)})' for k, v in datasets.items())}: {n} samples, block "
+          f"{decoder.block_size}, max_new_tokens {args.max_new_tokens}, temperature {sampling.temperature}",
+          file=sys.stderr)
+    results = run_bench(decoder, tokenizer, stops, datasets, args.max_new_tokens, sampling, args.seed,
+                        use_chat_template=args.chat_template, progress=True)
+    meta = {"target": str(args.target), "draft": str(args.ckpt), "tokenizer": args.tokenizer,
+            "dtype": args.dtype, "prompts_dir": str(prompts_dir), "datasets": names,
+            "max_samples": args.max_samples, "block_size": decoder.block_size,
+            "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature}
+    paths = write_report(results, Path(args.out), meta)
+    print(markdown_table(results))
+    print()
+    for kind, path in paths.items():
+        print(f"{kind:8s} {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), bench_main, argv)

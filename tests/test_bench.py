@@ -1,0 +1,250 @@
+"""``python -m infer bench`` and ``dflash_jax.engine.bench``: prompt loaders (real and synthetic files), the
+benchmark loop end to end on stories260K with an untrained draft, the report files, and user errors."""
+
+import contextlib
+import gzip
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import SHARED_DATA, shared_file
+from dflash_jax.engine.bench import (DATASETS, MATH_SUFFIX, conversation_ids, load_datasets, markdown_table,
+                                     summarize_dataset)
+from infer import bench as bench_cli
+
+BLOCK = 8
+MAX_NEW = 6
+
+# ---------------------------------------------------------------------------------------------------------
+# Loaders on the real files
+
+
+@pytest.mark.parametrize("name, rows, turns", [
+    ("gsm8k", 1319, 1), ("math500", 500, 1), ("humaneval", 164, 1),
+    # sanitized-mbpp.json holds 427 tasks; the test split (task_id 11..510) keeps 257 of them, like the
+    # Hugging Face "sanitized" test split the paper's script loads.
+    ("mbpp", 257, 1), ("mt-bench", 80, 2), ("alpaca", 805, 1),
+])
+def test_real_prompt_files(name, rows, turns):
+    prompts = shared_file("prompts")
+    samples = DATASETS[name](prompts)
+    assert len(samples) == rows
+    assert all(len(s) == turns and all(isinstance(t, str) and t.strip() for t in s) for s in samples)
+    if name in ("gsm8k", "math500"):
+        assert all(s[0].endswith("\n" + MATH_SUFFIX) for s in samples)
+    if name == "gsm8k":
+        assert samples[0][0].startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    if name == "humaneval":
+        assert "def has_close_elements(" in samples[0][0]
+    if name == "mbpp":
+        raw = json.loads((prompts / "sanitized-mbpp.json").read_text())
+        assert samples[0] == [next(r["prompt"] for r in raw if r["task_id"] >= 11)]
+
+
+def test_load_datasets_takes_the_first_samples_in_file_order():
+    prompts = shared_file("prompts")
+    got = load_datasets(prompts, ["mt-bench", "gsm8k"], 3)
+    assert list(got) == ["mt-bench", "gsm8k"]
+    assert got["gsm8k"] == DATASETS["gsm8k"](prompts)[:3]
+    assert got["mt-bench"][0][0].startswith("Compose an engaging travel blog post")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loaders on synthetic files (no shared data needed)
+
+
+def write_prompts(root: Path, gsm8k="Tom has 3 apples. How many?",
+                  mt_turns=("Once upon a time, there was a little girl named Lily. She liked to play with her big "
+                            "red ball in the park with her mom and dad. One day, it rained.", "Go on.")) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "gsm8k_test.jsonl").write_text(
+        json.dumps({"question": gsm8k, "answer": "3"}) + "\n\n" + json.dumps({"question": "Q2", "answer": "x"}) + "\n")
+    (root / "math500_test.jsonl").write_text(json.dumps({"problem": "What is $1+1$?", "answer": "2"}) + "\n")
+    with gzip.open(root / "HumanEval.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"task_id": "HumanEval/0", "prompt": "def f(x):\n    \"\"\"Return x.\"\"\"\n"}) + "\n")
+    (root / "sanitized-mbpp.json").write_text(json.dumps(
+        [{"task_id": i, "prompt": f"Write function {i}."} for i in (2, 11, 300, 510, 511, 600)]))
+    (root / "mt_bench_question.jsonl").write_text(
+        json.dumps({"question_id": 81, "category": "writing", "turns": list(mt_turns)}) + "\n")
+    (root / "alpaca_eval_instructions.jsonl").write_text(json.dumps({"instruction": "Say hi."}) + "\n")
+    return root
+
+
+def test_synthetic_loaders(tmp_path):
+    root = write_prompts(tmp_path / "prompts")
+    got = load_datasets(root, list(DATASETS))
+    assert got["gsm8k"] == [[f"Tom has 3 apples. How many?\n{MATH_SUFFIX}"], [f"Q2\n{MATH_SUFFIX}"]]
+    assert got["math500"] == [[f"What is $1+1$?\n{MATH_SUFFIX}"]]
+    assert len(got["humaneval"]) == 1 and "def f(x):" in got["humaneval"][0][0]
+    assert got["mbpp"] == [[f"Write function {i}."] for i in (11, 300, 510)]
+    assert len(got["mt-bench"]) == 1 and len(got["mt-bench"][0]) == 2
+    assert got["alpaca"] == [["Say hi."]]
+    assert load_datasets(root, ["gsm8k"], 1)["gsm8k"] == got["gsm8k"][:1]
+
+
+def test_malformed_rows_name_the_file_and_line(tmp_path):
+    root = write_prompts(tmp_path / "prompts")
+    (root / "gsm8k_test.jsonl").write_text(json.dumps({"question": "ok"}) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"gsm8k_test\.jsonl:2: not valid JSON"):
+        DATASETS["gsm8k"](root)
+    (root / "alpaca_eval_instructions.jsonl").write_text(json.dumps({"instruction": "ok"}) + "\n"
+                                                         + json.dumps({"prompt": "wrong field"}) + "\n")
+    with pytest.raises(ValueError, match=r"alpaca_eval_instructions\.jsonl:2: .*'instruction'"):
+        DATASETS["alpaca"](root)
+    (root / "mt_bench_question.jsonl").write_text(json.dumps({"turns": "not a list"}) + "\n")
+    with pytest.raises(ValueError, match=r"mt_bench_question\.jsonl:1: .*'turns'"):
+        DATASETS["mt-bench"](root)
+    (root / "sanitized-mbpp.json").write_text(json.dumps([{"task_id": 11}]))
+    with pytest.raises(ValueError, match=r"sanitized-mbpp\.json:entry 0 .*'prompt'"):
+        DATASETS["mbpp"](root)
+    (root / "HumanEval.jsonl.gz").write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match=r"HumanEval\.jsonl\.gz"):
+        DATASETS["humaneval"](root)
+
+
+def test_missing_file_and_unknown_name(tmp_path):
+    root = write_prompts(tmp_path / "prompts")
+    (root / "math500_test.jsonl").unlink()
+    with pytest.raises(FileNotFoundError, match="math500_test.jsonl"):
+        load_datasets(root, ["math500"])
+    with pytest.raises(ValueError, match="valid names: gsm8k, math500"):
+        load_datasets(root, ["gsm9k"])
+    with pytest.raises(FileNotFoundError, match="prompts directory"):
+        load_datasets(tmp_path / "nowhere", ["gsm8k"])
+
+
+def test_summary_metrics_by_hand():
+    def row(sample, base, flash, acc, ident=True):
+        return {"sample": sample, "accept_lengths": acc, "identical": ident,
+                "baseline": {"tokens": base[0], "tpot_ms": base[1]}, "dflash": {"tokens": flash[0], "tpot_ms": flash[1]}}
+
+    rows = [row(0, (10, 4.0), (10, 1.0), [3, 1, 4, 1]), row(0, (5, 2.0), (5, 1.0), [4], False),
+            row(1, (1, None), (1, None), []), {"sample": 2, "skipped": "too long"}]
+    s = summarize_dataset(rows, 4, greedy=True)
+    assert s["samples"] == 3 and s["turns"] == 3 and s["skipped_turns"] == 1 and s["timed_turns"] == 2
+    assert s["tau"] == pytest.approx(13 / 5)
+    assert s["tpot_baseline_ms"] == pytest.approx(3.0) and s["tpot_dflash_ms"] == pytest.approx(1.0)
+    assert s["speedup"] == pytest.approx(3.0)
+    assert s["acceptance_histogram"] == [2, 0, 1, 2]
+    assert s["identical"] == pytest.approx(2 / 3)
+    assert summarize_dataset(rows, 4, greedy=False)["identical"] is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end: stories260K + an untrained draft through the CLI
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    shared_file("stories260K", "stories260K.bin")
+    from infer.demo import prepare
+
+    work = tmp_path_factory.mktemp("bench")
+    target, draft = prepare(SHARED_DATA, work / "models", BLOCK)
+    # Synthetic prompts sized so that every prompt (gsm8k, both MT-Bench turns) pads to the same 64-token
+    # bucket: the baseline and DFlash then compile once each, which keeps this module fast.
+    prompts = write_prompts(work / "prompts")
+    out = work / "out"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = bench_cli.main(["--target", str(target), "--ckpt", str(draft), "--prompts-dir", str(prompts),
+                             "--max-samples", "1", "--datasets", "gsm8k,mt-bench", "--max-new-tokens", str(MAX_NEW),
+                             "--no-chat-template", "--out", str(out)])
+    return rc, out, target, printed.getvalue()
+
+
+def test_bench_end_to_end(bench_run):
+    rc, out, _, stdout = bench_run
+    assert rc == 0
+    for name in ("results.json", "results.md", "acceptance.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0
+    assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["meta"]["block_size"] == BLOCK and doc["meta"]["max_new_tokens"] == MAX_NEW
+    assert doc["meta"]["temperature"] == 0.0 and doc["meta"]["machine"]["backend"] == "cpu"
+    assert doc["meta"]["target"].endswith("stories260K-hf")
+    assert list(doc["summary"]) == ["gsm8k", "mt-bench"]
+    for name, s in doc["summary"].items():
+        assert s["samples"] == 1 and s["skipped_turns"] == 0
+        assert 1 <= s["tau"] <= BLOCK
+        assert s["identical"] == 1.0
+        assert len(s["acceptance_histogram"]) == BLOCK
+        assert s["speedup"] > 0 and s["tpot_baseline_ms"] > 0 and s["tpot_dflash_ms"] > 0
+    assert doc["summary"]["gsm8k"]["turns"] == 1 and doc["summary"]["mt-bench"]["turns"] == 2
+    for r in doc["turns"]:
+        assert r["identical"] is True
+        assert 1 <= r["dflash"]["tokens"] <= MAX_NEW and r["dflash"]["tokens"] == r["baseline"]["tokens"]
+        # Every decode round commits its acceptance length; the first token comes from the prefill.
+        assert sum(r["accept_lengths"]) + 1 == r["dflash"]["tokens"]
+        assert all(1 <= a <= BLOCK for a in r["accept_lengths"])
+        assert r["dflash"]["compile_s"] >= 0 and r["dflash"]["decode_s"] >= 0
+    hist = doc["summary"]["mt-bench"]["acceptance_histogram"]
+    mt = [r for r in doc["turns"] if r["dataset"] == "mt-bench"]
+    assert sum(hist) == sum(len(r["accept_lengths"]) for r in mt)
+    table = (out / "results.md").read_text()
+    assert "| dataset | samples | tau | speedup | TPOT baseline ms | TPOT DFlash ms | identical |" in table
+    assert "| gsm8k | 1 |" in table and "| mt-bench | 1 |" in table and "| mean |" in table
+    # The CLI printed the same table and the output paths.
+    assert markdown_table({k: doc[k] for k in ("summary", "mean", "settings")}) in stdout
+    assert str(out / "results.json") in stdout and str(out / "acceptance.png") in stdout
+
+
+def test_second_turn_follows_the_first_answer(bench_run):
+    _, out, target, _ = bench_run
+    from dflash_jax.checkpoints.loading import load_tokenizer
+
+    doc = json.loads((out / "results.json").read_text())
+    first, second = [r for r in doc["turns"] if r["dataset"] == "mt-bench"]
+    assert (first["turn"], second["turn"]) == (0, 1) and first["sample"] == second["sample"] == 0
+    assert first["output"].strip()
+    tok = load_tokenizer(target)
+    messages = [{"role": "user", "content": first["user"]}, {"role": "assistant", "content": first["output"]},
+                {"role": "user", "content": second["user"]}]
+    ids = conversation_ids(tok, messages, use_chat_template=False)
+    assert second["prompt_tokens"] == len(ids)
+    assert first["output"].strip() in tok.decode(ids, skip_special_tokens=True)
+    assert second["prompt_tokens"] > first["prompt_tokens"] + len(tok(second["user"])["input_ids"]) - 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# User errors: one 'error: ...' line, exit code 2, before any model is loaded
+
+
+def run_error(capsys, argv):
+    rc = bench_cli.main(["--target", "nowhere/target", "--ckpt", "nowhere/draft", *argv])
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+def test_unknown_dataset_is_one_clear_error(capsys, tmp_path):
+    rc, err = run_error(capsys, ["--prompts-dir", str(write_prompts(tmp_path / "p")), "--datasets", "gsm8k,gsm9k"])
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert err.startswith("error: unknown dataset 'gsm9k'") and "gsm8k, math500, humaneval, mbpp" in err
+
+
+def test_missing_prompts_dir_is_one_clear_error(capsys, tmp_path):
+    rc, err = run_error(capsys, ["--prompts-dir", str(tmp_path / "absent")])
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert err.startswith("error: prompts directory not found") and "absent" in err
+
+
+def test_missing_prompt_file_is_one_clear_error(capsys, tmp_path):
+    root = write_prompts(tmp_path / "p")
+    (root / "HumanEval.jsonl.gz").unlink()
+    rc, err = run_error(capsys, ["--prompts-dir", str(root), "--datasets", "humaneval"])
+    assert rc == 2 and len(err.splitlines()) == 1 and "HumanEval.jsonl.gz" in err
+
+
+def test_bad_numbers_and_help(capsys):
+    rc, err = run_error(capsys, ["--max-samples", "-1"])
+    assert rc == 2 and "--max-samples" in err
+    rc, err = run_error(capsys, ["--max-new-tokens", "0"])
+    assert rc == 2 and "--max-new-tokens" in err
+    assert bench_cli.build_parser().parse_args(["--target", "t", "--ckpt", "d"]).max_new_tokens == 2048
+    assert bench_cli.main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for flag in ("--prompts-dir", "--datasets", "--max-samples", "--seed", "--out", "--no-chat-template",
+                 "--max-new-tokens", "default 2048"):
+        assert flag in text

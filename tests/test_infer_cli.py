@@ -1,0 +1,85 @@
+"""``python -m infer`` end to end on a tiny Hugging Face target with a tokenizer and a tiny draft, and its
+error handling (one clear line, exit code 2)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cli_tiny import write_tiny_pair
+from conftest import shared_file
+from infer.__main__ import main
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return write_tiny_pair(tmp_path_factory.mktemp("cli"))
+
+
+def run_json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_with_baseline_json(pair, capsys):
+    target, draft = pair
+    doc = run_json(capsys, ["--target", str(target), "--ckpt", str(draft), "--prompt", "hello there",
+                            "--prompt", "a longer prompt, of other length", "--max-new-tokens", "20", "--baseline"])
+    assert len(doc["results"]) == 2
+    for row in doc["results"]:
+        assert row["matches_baseline"] is True
+        assert 1 <= len(row["tokens"]) <= 20
+        assert sum(row["accept_lengths"]) + 1 == len(row["tokens"])
+    s = doc["summary"]
+    assert s["dflash"]["tau"] >= 1 and s["speedup"] > 0 and s["baseline"]["tokens_per_s"] > 0
+
+
+def test_prompt_file_block_size_sampling_and_stream(pair, tmp_path, capsys):
+    target, draft = pair
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"question": "q1"}) + "\n" + json.dumps({"turns": ["t1", "t2"]}) + "\n")
+    doc = run_json(capsys, ["--target", str(target), "--ckpt", str(draft), "--prompt-file", str(f),
+                            "--max-new-tokens", "8", "--block-size", "4", "--temperature", "0.8", "--top-k", "20"])
+    assert [r["prompt"] for r in doc["results"]] == ["q1", "t1"]
+    assert all(max(r["accept_lengths"] or [1]) <= 4 for r in doc["results"])
+    assert main(["--target", str(target), "--ckpt", str(draft), "--prompt", "hi", "--stream",
+                 "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr()
+    assert "tau" in out.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ckpt", "{draft}", "--prompt", "x"], "--target"),
+    (["--target", "{tmp}/missing", "--ckpt", "{draft}", "--prompt", "x"], "missing"),
+    (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--block-size", "99"], "block"),
+    (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--max-new-tokens", "5000"], "does not fit"),
+    (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--temperature", "-1"], "temperature"),
+    (["--target", "{target}", "--ckpt", "{draft}", "--prompt-file", "{tmp}/nope.txt"], "nope.txt"),
+    (["--target", "{target}", "--ckpt", "{draft}"], "--prompt"),
+    (["--target", "{target}", "--ckpt", "{target}", "--prompt", "x"], "draft"),
+    (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--bogus"], "--bogus"),
+])
+def test_bad_input_is_one_clear_error(pair, tmp_path, capsys, argv, message):
+    target, draft = pair
+    argv = [a.format(target=target, draft=draft, tmp=tmp_path) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+
+
+def test_help_explains_flags(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--target", "--ckpt", "--block-size", "--baseline", "--json", "--stream", "--top-p"):
+        assert flag in out
+
+
+def test_demo_on_stories260k(tmp_path):
+    shared_file("stories260K", "stories260K.bin")
+    proc = subprocess.run([sys.executable, "-m", "infer", "demo", "--work", str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "DFlash output identical to the baseline: True" in proc.stdout
+    assert "identical to llama2.c's expected text:  True" in proc.stdout
