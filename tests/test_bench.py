@@ -248,3 +248,66 @@ def test_bad_numbers_and_help(capsys):
     for flag in ("--prompts-dir", "--datasets", "--max-samples", "--seed", "--out", "--no-chat-template",
                  "--max-new-tokens", "default 2048"):
         assert flag in text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# run_bench with stand-ins (no model): conversation building, skipped turns, chat template
+
+
+class FakeTokenizer:
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids if i > 2)
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt, enable_thinking):
+        assert not tokenize and add_generation_prompt and enable_thinking is False
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+class FakeDecoder:
+    has_draft, block_size, limit = True, 4, 80
+
+    def __init__(self):
+        self.calls = []
+
+    def check_fits(self, lengths, max_new_tokens):
+        if max(lengths) + max_new_tokens > self.limit:
+            raise ValueError(f"a prompt of {max(lengths)} tokens does not\n fit")
+
+    def generate(self, prompts, max_new_tokens, sampling, stop_tokens, baseline=False, seed=0):
+        from dflash_jax.engine.generate import GenerationResult
+
+        self.calls.append((list(prompts[0]), baseline))
+        tokens = [ord(c) for c in "ok!"][:max_new_tokens]
+        acc = [] if baseline else [2]
+        return GenerationResult([tokens], [acc], [len(acc)], 0.001, 0.002 if baseline else 0.001, 0.5)
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_run_bench_follows_the_conversation(template):
+    from dflash_jax.engine.bench import run_bench
+    from dflash_jax.engine.sampling import SamplingConfig
+
+    tok, dec = FakeTokenizer(), FakeDecoder()
+    if template:
+        tok.chat_template = "{{ fake }}"
+    data = {"mt-bench": [["first question", "second"], ["x" * 80, "never asked"]], "gsm8k": [["q"]]}
+    res = run_bench(dec, tok, [2], data, 3, SamplingConfig(), 0, use_chat_template=template, progress=False)
+    # Baseline then DFlash for each of the three turns that fit; the over-long sample is skipped whole.
+    assert [b for _, b in dec.calls] == [True, False] * 3
+    second_prompt = tok.decode(dec.calls[2][0])
+    expected = ("<user>first question<assistant>ok!<user>second<assistant>" if template
+                else "first question\n\nok!\n\nsecond")
+    assert second_prompt == expected
+    s = res["summary"]["mt-bench"]
+    assert s["samples"] == 2 and s["turns"] == 2 and s["skipped_turns"] == 2
+    skipped = [r for r in res["turns"] if r.get("skipped")]
+    assert [r["turn"] for r in skipped] == [0, 1] and "does not fit" in skipped[0]["skipped"]
+    assert s["tau"] == 2.0 and s["speedup"] == pytest.approx(2.0) and s["identical"] == 1.0
+    assert s["acceptance_histogram"] == [0, 2, 0, 0]
+    assert res["settings"]["chat_template"] is template
+    assert res["mean"]["tau"] == 2.0

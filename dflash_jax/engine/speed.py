@@ -50,7 +50,7 @@ from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OraclePropos
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft import shared_head
-from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.draft_config import DraftConfig, default_target_layer_ids
 from dflash_jax.models.target import TargetModel
 
 # --------------------------------------------------------------------------------------------------------
@@ -70,10 +70,13 @@ class ShapePreset:
     vocab_size: int
     draft_layers: int
     description: str
+    feature_layers: tuple[int, ...] | None = None  # None: the default rule for the draft depth
 
 
 SHAPE_PRESETS = {
-    "tiny": ShapePreset(64, 4, 4, 2, 16, 128, 256, 2, "hidden 64, 4 layers, vocab 256; draft 2 layers (quick)"),
+    "tiny": ShapePreset(64, 2, 4, 2, 16, 128, 256, 1,
+                        "hidden 64, 2 layers, vocab 256; draft 1 layer reading both target layers (quick)",
+                        feature_layers=(0, 1)),
     "small": ShapePreset(512, 8, 8, 4, 64, 1536, 32000, 2,
                          "hidden 512, 8 layers, 8/4 heads of 64, MLP 1536, vocab 32000; draft 2 layers"),
 }
@@ -115,7 +118,11 @@ def preset_configs(name: str, block_size: int | None = None,
     layers = p.draft_layers if draft_layers is None else draft_layers
     if layers < 1:
         raise ValueError(f"--draft-layers must be at least 1, got {layers}")
-    draft = DraftConfig.for_target(target, num_layers=layers, block_size=max(2, block_size or 16))
+    ids = p.feature_layers if draft_layers is None else None
+    if ids is None and len(set(default_target_layer_ids(p.num_hidden_layers, layers))) < layers:
+        ids = tuple(int(i) for i in np.linspace(0, p.num_hidden_layers - 1, layers).round())
+    draft = DraftConfig.for_target(target, num_layers=layers, block_size=max(2, block_size or 16),
+                                   target_layer_ids=ids)
     return target, draft
 
 
@@ -185,15 +192,18 @@ def fresh_copy(tree: Any) -> Any:
 
 
 def measure(name: str, fn: Callable, fixed: Sequence[Any], template: Sequence[Any], repeats: int,
-            donate: bool = True) -> tuple[Timing, Any]:
-    """Compile ``fn(*fixed, *template)``, run it once, then time ``repeats`` calls on fresh copies of
-    ``template`` (donated when ``donate``). Returns the timing and the last output."""
+            donate: bool = True, warmup: int = 2) -> tuple[Timing, Any]:
+    """Compile ``fn(*fixed, *template)``, run it ``warmup`` times, then time ``repeats`` calls on fresh copies
+    of ``template`` (donated when ``donate``). Returns the timing and the last output. (The first run of a
+    fresh XLA:CPU executable is several times slower than later ones, so warm-up matters.)"""
     n = len(fixed)
     jitted = jax.jit(fn, donate_argnums=tuple(range(n, n + len(template))) if donate else ())
     t0 = time.perf_counter()
     compiled = jitted.lower(*fixed, *template).compile()
     compile_s = time.perf_counter() - t0
-    out = jax.block_until_ready(compiled(*fixed, *fresh_copy(template)))  # warm-up
+    out = None
+    for _ in range(warmup):
+        out = jax.block_until_ready(compiled(*fixed, *fresh_copy(template)))
     times = []
     for _ in range(repeats):
         args = fresh_copy(template)
@@ -356,25 +366,37 @@ class E2E:
 
     @property
     def rounds(self) -> int:
+        """Rounds of all rows together."""
         return int(sum(self.first.rounds))
 
     @property
     def tokens_per_round(self) -> float:
         return self.decoded / self.rounds if self.rounds else float("nan")
 
+    @property
+    def loop_iterations(self) -> int:
+        return int(max(self.first.rounds))
+
     def to_dict(self) -> dict:
         r = self.first
         return {
             "decode_s": self.decode_s, "decode_s_all": [x.decode_s for x in self.results],
             "prefill_s": r.prefill_s, "compile_s": r.compile_s, "tokens": r.num_tokens,
-            "decoded_tokens": self.decoded, "rounds": self.rounds, "tokens_per_s": self.decoded / self.decode_s,
+            "decoded_tokens": self.decoded, "rounds": self.rounds, "loop_iterations": self.loop_iterations,
+            "tokens_per_s": self.decoded / self.decode_s,
             "tau": r.tau, "tokens_per_round": self.tokens_per_round, "accept_lengths": r.accept_lengths,
         }
 
 
 def run_e2e(name: str, repeats: int, fn: Callable[[], GenerationResult]) -> E2E:
+    """One untimed warm-up generation (it compiles, and the first run of a fresh executable is slow: on
+    XLA:CPU several times slower than the next), then ``repeats`` timed ones (served from the compile
+    cache)."""
+    warm = fn()
     results = [fn() for _ in range(repeats)]
-    for r in results[1:]:
+    for r in results:
+        r.compile_s = warm.compile_s
+    for r in [warm] + results[1:]:
         if r.tokens != results[0].tokens:
             raise RuntimeError(f"{name}: repeated runs gave different tokens (non-deterministic decode?)")
     return E2E(name, results)
@@ -390,7 +412,14 @@ def machine_info() -> dict:
         pass
     return {"jax": jax.__version__, "backend": dev.platform, "device": dev.device_kind,
             "num_devices": jax.device_count(), "machine": platform.machine(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "python": platform.python_version()}
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "load_avg_1m": _load()}
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
 
 
 def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSettings,
@@ -463,6 +492,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         "e2e": e2e,
         "estimate_with_draft_at_tau": bounds["with_draft"] * e2e["oracle"]["measured_over_bound"],
         "total_s": time.perf_counter() - t_start,
+        "load_avg_1m_end": _load(),
     }
 
 
@@ -485,7 +515,7 @@ def format_report(r: dict, title: str = "") -> str:
         f"({m['draft']['params'] / 1e6:.1f}M params, features of target layers {m['draft']['feature_layers']})",
         f"{s['dtype']}, batch {s['batch']}, block {block}, context {s['context']}, {s['new_tokens']} new tokens, "
         f"tau {tau}; JAX {mach['jax']} on {mach['backend']} ({mach['device']}; {mach['machine']}, "
-        f"{mach['cpu_count']} CPUs)",
+        f"{mach['cpu_count']} CPUs; load average {mach['load_avg_1m']} at start, {r.get('load_avg_1m_end')} at end)",
         "",
         f"Components (jitted, median of {s['repeats']} runs, compile excluded)   median ms     min ms   x AR step",
     ]
@@ -503,7 +533,7 @@ def format_report(r: dict, title: str = "") -> str:
     lines += [
         "",
         "End to end (engine.generate.generate, decode only; speedup = AR decode s / decode s, same tokens)",
-        f"  {'mode':26s} {'tokens':>6s} {'rounds':>6s} {'tok/round':>9s} {'decode s':>9s} {'tok/s':>9s} "
+        f"  {'mode':26s} {'tokens':>6s} {'loops':>6s} {'tok/round':>9s} {'decode s':>9s} {'tok/s':>9s} "
         f"{'speedup':>8s} {'bound':>7s} {'meas/bound':>10s}  same as AR",
     ]
     names = {"autoregressive": "autoregressive", "oracle": f"DFlash, oracle tau={tau}",
@@ -513,11 +543,12 @@ def format_report(r: dict, title: str = "") -> str:
         bound = f"{d['bound']:6.2f}x" if "bound" in d else f"{'':7s}"
         ratio = f"{d['measured_over_bound']:10.2f}" if "measured_over_bound" in d else f"{'':10s}"
         lines.append(
-            f"  {names[key]:26s} {d['decoded_tokens']:6d} {d['rounds']:6d} {d['tokens_per_round']:9.2f} "
+            f"  {names[key]:26s} {d['decoded_tokens']:6d} {d['loop_iterations']:6d} {d['tokens_per_round']:9.2f} "
             f"{d['decode_s']:9.3f} {d['tokens_per_s']:9.1f} {d['speedup']:7.2f}x {bound} {ratio}  "
             f"{'yes' if d['identical_to_ar'] else 'NO: ' + str(d['mismatch'])}")
     b = r["bounds"]
     lines += [
+        "  (tokens: decoded by the loop, all rows; loops: decode-loop iterations; tok/round: tokens per row-round)",
         "  (bound: tokens/round x t(AR step) / t(verify) for the oracle, which has no draft cost;",
         "          tokens/round x t(AR step) / (t(verify) + t(draft)) for the draft)",
         "",
