@@ -311,3 +311,21 @@ def test_run_bench_follows_the_conversation(template):
     assert s["acceptance_histogram"] == [0, 2, 0, 0]
     assert res["settings"]["chat_template"] is template
     assert res["mean"]["tau"] == 2.0
+
+
+def test_sampling_report_without_identity(tmp_path):
+    from dflash_jax.engine.bench import run_bench, write_report
+    from dflash_jax.engine.sampling import SamplingConfig
+
+    data = {"alpaca": [["hi"]], "humaneval": [["y" * 90]]}  # humaneval: every turn skipped
+    res = run_bench(FakeDecoder(), FakeTokenizer(), [2], data, 3, SamplingConfig(temperature=0.7), 5,
+                    progress=False)
+    assert res["summary"]["alpaca"]["identical"] is None and res["turns"][0]["identical"] is None
+    assert res["summary"]["humaneval"]["tau"] is None and res["summary"]["humaneval"]["speedup"] is None
+    paths = write_report(res, tmp_path / "r", {"target": "t", "draft": "d"})
+    table = paths["markdown"].read_text()
+    assert "| alpaca | 1 | 2.00 | 2.00x |" in table and "n/a (sampling)" in table
+    assert "| humaneval | 1 (1 turn skipped) | - | - |" in table
+    doc = json.loads(paths["json"].read_text())
+    assert doc["meta"]["temperature"] == 0.7 and doc["settings"]["seed"] == 5 and doc["meta"]["target"] == "t"
+    assert paths["plot"].stat().st_size > 0

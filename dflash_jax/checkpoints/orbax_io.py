@@ -16,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dflash_jax.checkpoints.safetensors_io import CheckpointError
+from dflash_jax.models.config import read_json_object
 
 META_FILE = "meta.json"
 PARAMS_DIR = "params"
@@ -41,11 +42,8 @@ def read_meta(path: str | Path) -> dict:
     meta_path = path / META_FILE
     if not meta_path.is_file():
         raise CheckpointError(f"{path}: not an Orbax checkpoint of this project (no {META_FILE})")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{meta_path}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or "kind" not in meta or "config" not in meta:
+    meta = read_json_object(meta_path, "checkpoint metadata", CheckpointError)
+    if "kind" not in meta or "config" not in meta:
         raise CheckpointError(f"{meta_path}: expected keys 'kind' and 'config'")
     return meta
 

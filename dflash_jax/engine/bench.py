@@ -320,7 +320,8 @@ def markdown_table(results: dict) -> str:
     for name, s in results["summary"].items():
         ident = "n/a (sampling)" if s["identical"] is None and results["settings"]["temperature"] > 0 else \
             _fmt(None if s["identical"] is None else 100 * s["identical"], ".0f", "%")
-        skipped = f" ({s['skipped_turns']} turns skipped)" if s.get("skipped_turns") else ""
+        n = s.get("skipped_turns") or 0
+        skipped = f" ({n} turn{'s' if n != 1 else ''} skipped)" if n else ""
         lines.append(f"| {name} | {s['samples']}{skipped} | {_fmt(s['tau'], '.2f')} | {_fmt(s['speedup'], '.2f', 'x')} "
                      f"| {_fmt(s['tpot_baseline_ms'], '.2f')} | {_fmt(s['tpot_dflash_ms'], '.2f')} | {ident} |")
     if len(results["summary"]) > 1:

@@ -81,6 +81,28 @@ def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
     return out
 
 
+def read_json_object(path: str | Path, what: str = "file", error: type[Exception] = ConfigError) -> dict:
+    """A JSON file that must hold an object; errors name the file and say what was expected."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{path}: {what} not found")
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise error(f"{path}: expected a JSON object in the {what}")
+    return value
+
+
+def read_config_json(path: str | Path, what: str) -> tuple[Path, dict]:
+    """``config.json`` of a checkpoint directory (or the file itself)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    return path, read_json_object(path, f"{what} file")
+
+
 def require(cfg: Mapping[str, Any], key: str, source: str, kind: type = int) -> Any:
     """Fetch a mandatory field, checking presence and type, with a message naming source and key."""
     if key not in cfg or cfg[key] is None:
@@ -178,17 +200,7 @@ class TargetConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "TargetConfig":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found")
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
+        path, cfg = read_config_json(path, "config")
         return cls.from_dict(cfg, source=str(path))
 
     def to_hf_dict(self) -> dict[str, Any]:

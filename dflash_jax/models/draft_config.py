@@ -7,11 +7,12 @@ Field placement differs between released checkpoints: DFlash fields (``target_la
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from dflash_jax.models.config import ConfigError, RopeConfig, TargetConfig, parse_rope, require, rope_to_hf
+from dflash_jax.models.config import (
+    ConfigError, RopeConfig, TargetConfig, parse_rope, read_config_json, require, rope_to_hf,
+)
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -132,17 +133,7 @@ class DraftConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DraftConfig":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{path}: draft config file not found")
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(cfg, dict):
-            raise ConfigError(f"{path}: expected a JSON object")
+        path, cfg = read_config_json(path, "draft config")
         return cls.from_dict(cfg, source=str(path))
 
     def to_official_dict(self) -> dict[str, Any]:
