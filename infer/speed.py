@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 
 from dflash_jax.checkpoints.hf_target import resolve_dtype
-from dflash_jax.engine.speed import PRESETS, SpeedSettings, format_report, preset_description, preset_models, run_speed
+from dflash_jax.engine.speed import (
+    PRESETS, SpeedSettings, format_report, preset_configs, preset_description, preset_models, run_speed,
+)
 from infer.cli import Parser, UsageError, run_cli
 
 PROG = "python -m infer speed"
@@ -91,7 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def settings_of(args: argparse.Namespace, draft_block: int) -> SpeedSettings:
+    settings = SpeedSettings(batch=args.batch, block_size=args.block_size or draft_block, context=args.context,
+                             new_tokens=args.new_tokens, tau=args.tau, repeats=args.repeats,
+                             e2e_repeats=args.e2e_repeats, seed=args.seed, dtype=resolve_dtype(args.dtype))
+    settings.validate()
+    if settings.block_size > draft_block:
+        raise UsageError(f"--block-size {settings.block_size} is larger than the draft's block_size {draft_block}")
+    return settings
+
+
 def load_models(args: argparse.Namespace):
+    """(title, settings, target config, target params, draft config, draft params); for presets the
+    settings are checked before any weight is drawn."""
     if args.target:
         if not args.ckpt:
             raise UsageError("--target needs --ckpt (the draft)")
@@ -102,12 +116,13 @@ def load_models(args: argparse.Namespace):
         tc, tp = load_target_any(args.target, dtype=args.dtype, progress=True)
         dc, dp = load_draft_any(args.ckpt, dtype=args.dtype, progress=True)
         dc.validate_against(tc, source=str(args.ckpt))
-        return f"target {args.target}, draft {args.ckpt}", tc, tp, dc, dp
+        return f"target {args.target}, draft {args.ckpt}", settings_of(args, dc.block_size), tc, tp, dc, dp
     if args.ckpt:
         raise UsageError("--ckpt goes with --target, not with --preset")
-    tc, tp, dc, dp = preset_models(args.preset, args.block_size, resolve_dtype(args.dtype), args.seed,
-                                   args.draft_layers)
-    return f"preset {args.preset} (random weights: {preset_description(args.preset)})", tc, tp, dc, dp
+    _, dc = preset_configs(args.preset, args.block_size, args.draft_layers)
+    settings = settings_of(args, dc.block_size)
+    tc, tp, dc, dp = preset_models(args.preset, args.block_size, settings.dtype, args.seed, args.draft_layers)
+    return f"preset {args.preset} (random weights: {preset_description(args.preset)})", settings, tc, tp, dc, dp
 
 
 def speed_main(args: argparse.Namespace) -> int:
@@ -118,12 +133,7 @@ def speed_main(args: argparse.Namespace) -> int:
             raise UsageError(f"--json {out}: folder {out.parent} does not exist")
     t0 = time.perf_counter()
     log("building models ...")
-    title, tc, tp, dc, dp = load_models(args)
-    block = args.block_size or dc.block_size
-    settings = SpeedSettings(batch=args.batch, block_size=block, context=args.context, new_tokens=args.new_tokens,
-                             tau=args.tau, repeats=args.repeats, e2e_repeats=args.e2e_repeats, seed=args.seed,
-                             dtype=resolve_dtype(args.dtype))
-    settings.validate()
+    title, settings, tc, tp, dc, dp = load_models(args)
     report = run_speed(tc, tp, dc, dp, settings, log=log)
     report["models"]["source"] = title
     report["args"] = vars(args)

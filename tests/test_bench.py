@@ -118,7 +118,8 @@ def test_missing_file_and_unknown_name(tmp_path):
 def test_summary_metrics_by_hand():
     def row(sample, base, flash, acc, ident=True):
         return {"sample": sample, "accept_lengths": acc, "identical": ident,
-                "baseline": {"tokens": base[0], "tpot_ms": base[1]}, "dflash": {"tokens": flash[0], "tpot_ms": flash[1]}}
+                "baseline": {"tokens": base[0], "tpot_ms": base[1]},
+                "dflash": {"tokens": flash[0], "tpot_ms": flash[1]}}
 
     rows = [row(0, (10, 4.0), (10, 1.0), [3, 1, 4, 1]), row(0, (5, 2.0), (5, 1.0), [4], False),
             row(1, (1, None), (1, None), []), {"sample": 2, "skipped": "too long"}]

@@ -131,25 +131,34 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) 
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
 
+HOST_INIT_LIMIT = 300_000_000  # parameters; bigger models are drawn on the device
+
+
 def random_params(abstract: Any, seed: int = 0) -> Any:
-    """Random weights for a params tree of ``jax.ShapeDtypeStruct``, drawn with ``jax.random`` on the default
-    device (no host copy: fine for an 8B model on an accelerator). Norm weights are one, biases zero,
+    """Random weights for a params tree of ``jax.ShapeDtypeStruct``. Norm weights are one, biases zero,
     embeddings N(0, 1), linear kernels ``[in, out]`` N(0, 1/in). Timing does not depend on the values, but
     these keep activations and logits at unit scale, so greedy choices are well separated and the
-    autoregressive and speculative outputs agree."""
+    autoregressive and speculative outputs agree. Models up to ``HOST_INIT_LIMIT`` parameters are drawn
+    with NumPy (no per-shape compiles); bigger ones (8B) with ``jax.random`` directly on the default device,
+    with no host copy."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    on_host = sum(int(np.prod(leaf.shape)) for _, leaf in leaves) <= HOST_INIT_LIMIT
+    rng = np.random.default_rng(seed)
     key = jax.random.PRNGKey(seed)
     out = []
     for i, (path, leaf) in enumerate(leaves):
         name = getattr(path[-1], "key", "")
         shape, dtype = tuple(leaf.shape), leaf.dtype
         if name == "weight" and len(shape) == 1:
-            out.append(jnp.ones(shape, dtype))
+            out.append(jnp.asarray(np.ones(shape, np.float32), dtype))
         elif name == "bias":
-            out.append(jnp.zeros(shape, dtype))
+            out.append(jnp.asarray(np.zeros(shape, np.float32), dtype))
         else:
             std = 1.0 if name == "embedding" else shape[0] ** -0.5
-            out.append(_normal(jax.random.fold_in(key, i), shape, dtype, jnp.float32(std)))
+            if on_host:
+                out.append(jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(std), dtype))
+            else:
+                out.append(_normal(jax.random.fold_in(key, i), shape, dtype, jnp.float32(std)))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -187,8 +196,8 @@ class Timing:
 
 
 def fresh_copy(tree: Any) -> Any:
-    """A copy on device with new buffers (what a donated argument consumes)."""
-    return jax.block_until_ready(jax.tree.map(jnp.copy, tree))
+    """A copy on device with new buffers (what a donated argument consumes); no compiled program needed."""
+    return jax.block_until_ready(jax.tree.map(lambda x: jax.device_put(x, may_alias=False), tree))
 
 
 def measure(name: str, fn: Callable, fixed: Sequence[Any], template: Sequence[Any], repeats: int,

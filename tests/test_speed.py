@@ -1,0 +1,91 @@
+"""``python -m infer speed`` end to end on the tiny preset (timings are measured and printed, never asserted)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dflash_jax.engine.speed import plant_errors
+from infer.speed import main
+
+TAU, BLOCK, NEW, BATCH = 3, 4, 12, 2
+COMPONENTS = ("ar_step", "verify", "draft", "round", "ar_round")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    path = tmp_path_factory.mktemp("speed") / "speed.json"
+    rc = main(["--preset", "tiny", "--batch", str(BATCH), "--block-size", str(BLOCK), "--context", "8",
+               "--new-tokens", str(NEW), "--tau", str(TAU), "--repeats", "2", "--json", str(path)])
+    assert rc == 0
+    return json.loads(path.read_text())
+
+
+def test_every_timing_is_positive(report):
+    for name in COMPONENTS:
+        t = report["timings"][name]
+        assert len(t["times_ms"]) == 2 and all(x > 0 for x in t["times_ms"]), name
+        assert t["median_ms"] > 0 and t["min_ms"] > 0 and t["compile_s"] > 0, name
+    for mode in ("autoregressive", "oracle", "draft"):
+        e = report["e2e"][mode]
+        assert e["decode_s"] > 0 and e["tokens_per_s"] > 0 and e["speedup"] > 0, mode
+        assert e["decoded_tokens"] == BATCH * (NEW - 1), mode
+    for value in report["bounds"].values():
+        assert value > 0
+    assert report["e2e"]["oracle"]["bound"] > 0 and report["e2e"]["draft"]["bound"] > 0
+
+
+def test_oracle_accepts_exactly_tau_and_outputs_match(report):
+    oracle = report["e2e"]["oracle"]
+    for row in oracle["accept_lengths"]:
+        # Every round accepts tau - 1 planted-correct drafts + the bonus; only the last may be cut short by
+        # max_new_tokens (its recorded length is still the accepted length, at most tau).
+        assert row[:-1] == [TAU] * (len(row) - 1)
+        assert 1 <= row[-1] <= TAU
+        assert sum(row) >= NEW - 1 > sum(row[:-1])
+    assert oracle["identical_to_ar"] and oracle["mismatch"] is None
+    assert report["e2e"]["draft"]["identical_to_ar"]
+    assert report["e2e"]["autoregressive"]["tokens_per_round"] == 1.0
+
+
+def test_report_records_settings_and_machine(report):
+    s = report["settings"]
+    assert (s["tau"], s["block_size"], s["batch"], s["dtype"]) == (TAU, BLOCK, BATCH, "float32")
+    assert report["machine"]["backend"] == "cpu" and report["machine"]["jax"]
+
+
+def test_plant_errors_every_tau_positions():
+    ref, err = plant_errors([[5, 6]], [[7, 8, 9, 10, 11]], tau=2, block=4, width=10)
+    assert ref[0, :7].tolist() == [5, 6, 7, 8, 9, 10, 11]
+    assert np.flatnonzero(err[0]).tolist() == [4, 6, 8]  # first anchor at position 2
+    _, none = plant_errors([[5, 6]], [[7, 8]], tau=4, block=4, width=10)
+    assert not none.any()  # tau == block: every round is full
+
+
+@pytest.mark.parametrize("argv", [
+    ["--preset", "nope"],
+    ["--preset", "tiny", "--tau", "0"],
+    ["--preset", "tiny", "--block-size", "4", "--tau", "5"],
+    ["--preset", "tiny", "--block-size", "1"],
+    ["--preset", "tiny", "--context", "4", "--block-size", "8"],
+    ["--preset", "tiny", "--dtype", "float16"],
+    ["--preset", "tiny", "--repeats", "x"],
+    ["--preset", "tiny", "--ckpt", "somewhere"],
+    ["--preset", "qwen3-8b", "--draft-layers", "2"],
+    ["--target", "/nonexistent/target"],
+    ["--target", "/nonexistent/target", "--ckpt", "/nonexistent/draft"],
+    ["--preset", "tiny", "--target", "x"],
+    [],
+])
+def test_bad_arguments_exit_2(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in err
+
+
+def test_help_explains_every_flag(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--preset", "--target", "--ckpt", "--batch", "--block-size", "--context", "--new-tokens", "--tau",
+                 "--dtype", "--repeats", "--json", "qwen3-8b", "small"):
+        assert flag in out
