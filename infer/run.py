@@ -4,13 +4,13 @@ autoregressive baseline on the same engine) and report tau, tokens/s and speedup
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 import textwrap
 from pathlib import Path
 
 from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer, tokenizer_dir
+from dflash_jax.engine.bench import read_jsonl, read_text_file
 from dflash_jax.engine.decoder import Decoder, encode_conversation, stop_tokens_of
 from dflash_jax.engine.generate import GenerationResult
 from dflash_jax.engine.sampling import SamplingConfig
@@ -77,23 +77,19 @@ PROMPT_FIELDS = ("prompt", "question", "problem", "instruction", "text")
 
 
 def read_prompt_file(path: Path) -> list[str]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: prompt file not found")
-    opener = gzip.open if path.suffix == ".gz" else open
-    name = path.name[:-3] if path.suffix == ".gz" else path.name
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
+    """Prompts from .txt (one per line), .json (a list) or .jsonl (objects with a prompt field); .gz ok."""
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
     if name.endswith(".txt"):
-        return [line for line in text.splitlines() if line.strip()]
-    try:
-        if name.endswith(".json"):
-            rows = json.loads(text)
-        else:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return [line for line in read_text_file(path).splitlines() if line.strip()]
+    if name.endswith(".json"):
+        try:
+            rows = list(enumerate(json.loads(read_text_file(path)), start=1))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    else:
+        rows = read_jsonl(path)
     prompts = []
-    for i, row in enumerate(rows):
+    for where, row in rows:
         if isinstance(row, str):
             prompts.append(row)
             continue
@@ -105,7 +101,7 @@ def read_prompt_file(path: Path) -> list[str]:
             if field:
                 prompts.append(row[field])
                 continue
-        raise ValueError(f"{path}: entry {i} has no prompt field (one of {', '.join(PROMPT_FIELDS)} or 'turns')")
+        raise ValueError(f"{path}:{where}: no prompt field (one of {', '.join(PROMPT_FIELDS)} or 'turns')")
     return prompts
 
 

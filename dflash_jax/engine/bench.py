@@ -47,7 +47,7 @@ Sample = list[str]  # the user turns of one conversation
 # Loaders: each takes the prompts directory and returns a list of samples (lists of user turns).
 
 
-def _open_text(path: Path) -> str:
+def read_text_file(path: Path) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: prompt file not found")
     try:
@@ -59,10 +59,10 @@ def _open_text(path: Path) -> str:
         raise ValueError(f"{path}: cannot read ({e})") from None
 
 
-def _jsonl_rows(path: Path) -> list[tuple[int, Any]]:
+def read_jsonl(path: Path) -> list[tuple[int, Any]]:
     """(line number, parsed object) for every non-blank line."""
     rows = []
-    for lineno, line in enumerate(_open_text(path).splitlines(), start=1):
+    for lineno, line in enumerate(read_text_file(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -84,7 +84,7 @@ def _string_field(path: Path, where: str, row: Any, field: str) -> str:
 def _single_field(filename: str, field: str, fmt: Callable[[str], str] = lambda s: s):
     def load(prompts_dir: Path | str) -> list[Sample]:
         path = Path(prompts_dir) / filename
-        return [[fmt(_string_field(path, str(n), row, field))] for n, row in _jsonl_rows(path)]
+        return [[fmt(_string_field(path, str(n), row, field))] for n, row in read_jsonl(path)]
 
     load.__name__ = f"load_{filename.split('.')[0]}"
     load.filename = filename
@@ -107,7 +107,7 @@ load_alpaca = _single_field("alpaca_eval_instructions.jsonl", "instruction")
 
 def load_mbpp(prompts_dir: Path | str) -> list[Sample]:
     path = Path(prompts_dir) / "sanitized-mbpp.json"
-    text = _open_text(path)
+    text = read_text_file(path)
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
@@ -132,7 +132,7 @@ load_mbpp.filename = "sanitized-mbpp.json"
 def load_mt_bench(prompts_dir: Path | str) -> list[Sample]:
     path = Path(prompts_dir) / "mt_bench_question.jsonl"
     samples = []
-    for n, row in _jsonl_rows(path):
+    for n, row in read_jsonl(path):
         turns = row.get("turns") if isinstance(row, dict) else None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
             raise ValueError(f"{path}:{n}: expected an object with 'turns', a non-empty list of strings")

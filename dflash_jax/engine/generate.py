@@ -197,8 +197,14 @@ def _committed(state: LoopState) -> list[list[int]]:
     return [out[i, : num[i]].tolist() for i in range(out.shape[0])]
 
 
-def bucket(n: int, multiple: int = 16) -> int:
-    return max(multiple, -(-n // multiple) * multiple)
+def bucket(n: int, smallest: int = 16) -> int:
+    """Padded prompt width: the next power of two (at least ``smallest``). Every distinct width is a new
+    compilation (seconds on CPU, much more for an 8B model on an accelerator), while padding only costs
+    prefill work, so few coarse widths beat tight padding."""
+    width = smallest
+    while width < n:
+        width *= 2
+    return width
 
 
 def generate(
@@ -214,8 +220,8 @@ def generate(
     on_tokens: Callable[[list[list[int]]], None] | None = None,
     chunk_rounds: int = 8,
 ) -> GenerationResult:
-    """Generate for a batch of token-id prompts of any lengths. Prompts are right-padded to a multiple of 16
-    (or ``max_prompt_len``) so that nearby lengths share one compiled program.
+    """Generate for a batch of token-id prompts of any lengths. Prompts are right-padded to a power of two
+    (or to ``max_prompt_len``) so that nearby lengths share one compiled program.
 
     With ``on_tokens`` the loop runs ``chunk_rounds`` rounds at a time and the callback receives every row's
     tokens so far after each chunk (streaming); otherwise the whole decode is one device call.
