@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ckpt", metavar="DIR",
                         help="the DFlash draft for --target: an official draft directory or an Orbax checkpoint")
     parser.add_argument("--draft-layers", type=positive("--draft-layers"), metavar="N",
-                        help="draft depth for the tiny/small presets (default 2)")
+                        help="draft depth for the tiny/small presets (default: 1 for tiny, 2 for small)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="parameter and compute dtype (default float32; on a CPU bfloat16 is about 6x slower, "
                              "use it on GPU/TPU)")

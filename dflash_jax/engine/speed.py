@@ -200,26 +200,39 @@ def fresh_copy(tree: Any) -> Any:
     return jax.block_until_ready(jax.tree.map(lambda x: jax.device_put(x, may_alias=False), tree))
 
 
-def measure(name: str, fn: Callable, fixed: Sequence[Any], template: Sequence[Any], repeats: int,
-            donate: bool = True, warmup: int = 2) -> tuple[Timing, Any]:
-    """Compile ``fn(*fixed, *template)``, run it ``warmup`` times, then time ``repeats`` calls on fresh copies
-    of ``template`` (donated when ``donate``). Returns the timing and the last output. (The first run of a
-    fresh XLA:CPU executable is several times slower than later ones, so warm-up matters.)"""
-    n = len(fixed)
-    jitted = jax.jit(fn, donate_argnums=tuple(range(n, n + len(template))) if donate else ())
-    t0 = time.perf_counter()
-    compiled = jitted.lower(*fixed, *template).compile()
-    compile_s = time.perf_counter() - t0
-    out = None
-    for _ in range(warmup):
-        out = jax.block_until_ready(compiled(*fixed, *fresh_copy(template)))
-    times = []
-    for _ in range(repeats):
-        args = fresh_copy(template)
+class Bench:
+    """One jitted function, compiled and warmed up at construction; :meth:`run_once` times one call on fresh
+    copies of ``template`` (donated when ``donate``), made outside the timed region."""
+
+    def __init__(self, name: str, fn: Callable, fixed: Sequence[Any], template: Sequence[Any],
+                 donate: bool = True, warmup: int = 2):
+        n = len(fixed)
+        jitted = jax.jit(fn, donate_argnums=tuple(range(n, n + len(template))) if donate else ())
         t0 = time.perf_counter()
-        out = jax.block_until_ready(compiled(*fixed, *args))
-        times.append(time.perf_counter() - t0)
-    return Timing(name, compile_s, times), out
+        self.compiled = jitted.lower(*fixed, *template).compile()
+        self.timing = Timing(name, time.perf_counter() - t0, [])
+        self.fixed, self.template = tuple(fixed), tuple(template)
+        # The first runs of a fresh XLA:CPU executable are several times slower than later ones.
+        self.out = None
+        for _ in range(warmup):
+            self.out = jax.block_until_ready(self.compiled(*self.fixed, *fresh_copy(self.template)))
+
+    def run_once(self) -> float:
+        args = fresh_copy(self.template)
+        t0 = time.perf_counter()
+        self.out = jax.block_until_ready(self.compiled(*self.fixed, *args))
+        dt = time.perf_counter() - t0
+        self.timing.times_s.append(dt)
+        return dt
+
+
+def measure_interleaved(benches: Sequence[Bench], repeats: int) -> dict[str, Timing]:
+    """Time every bench ``repeats`` times, round-robin, so that a slow spell of the machine (other processes,
+    frequency changes) hits every component alike instead of one."""
+    for _ in range(repeats):
+        for b in benches:
+            b.run_once()
+    return {b.timing.name: b.timing for b in benches}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -306,15 +319,13 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
     ar_state0 = jax.block_until_ready(ar_pre(tp, {}, tokens, lengths, key))
     shared = state0.proposer["shared"]
     start = state0.start  # [b] = context: the first anchor's position
-    timings = {}
 
     def ar_step(params, cache, token, pos):
         out = target.apply({"params": params}, token[:, None], pos[:, None], cache)
         return jnp.argmax(out.logits[:, -1], axis=-1), out.cache
 
-    timings["ar_step"], _ = measure(
-        "ar_step", lambda p, t, q, c: ar_step(p, c, t, q), (tp, ar_state0.anchor, ar_state0.start),
-        (ar_state0.cache,), s.repeats)
+    benches = [Bench("ar_step", lambda p, t, q, c: ar_step(p, c, t, q), (tp, ar_state0.anchor, ar_state0.start),
+                     (ar_state0.cache,))]
 
     rng = np.random.default_rng(s.seed + 7)
     block_tokens = jnp.asarray(rng.integers(0, tc.vocab_size, (b, block)), jnp.int32)
@@ -324,8 +335,8 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
         out = target.apply({"params": params}, toks, pos, cache, feature_layers=dc.target_layer_ids)
         return jnp.argmax(out.logits, axis=-1), out.features, out.cache
 
-    timings["verify"], (_, features, _) = measure(
-        "verify", verify, (tp, block_tokens, block_positions), (state0.cache,), s.repeats)
+    benches.append(Bench("verify", verify, (tp, block_tokens, block_positions), (state0.cache,)))
+    features = benches[-1].out[1]
 
     # The previous round's B verified positions (here the last B of the context) are written in the forward.
     ctx = (features, start[:, None] - block + jnp.arange(block, dtype=jnp.int32)[None], jnp.ones((b, block), bool))
@@ -335,8 +346,7 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
         drafts, _, new = prop.propose({"params": params, "shared": sh, "cache": cache}, ctx_, anchor, st, draft_key)
         return drafts, new["cache"]
 
-    timings["draft"], _ = measure(
-        "draft", draft, (dp, shared, ctx, state0.anchor, start), (state0.proposer["cache"],), s.repeats)
+    benches.append(Bench("draft", draft, (dp, shared, ctx, state0.anchor, start), (state0.proposer["cache"],)))
 
     # A whole round (the first after prefill), params kept out of the donated state.
     def dflash_round(params, draft_params, sh, state):
@@ -345,19 +355,20 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
         return out._replace(proposer={"cache": out.proposer["cache"]})
 
     rest = state0._replace(proposer={"cache": state0.proposer["cache"]})
-    timings["round"], _ = measure("round", dflash_round, (tp, dp, shared), (rest,), s.repeats)
+    benches.append(Bench("round", dflash_round, (tp, dp, shared), (rest,)))
 
     def ar_round(params, state):
         return decode_round(tc, ar_prop, settings, params, state, dtype=dtype)
 
-    timings["ar_round"], _ = measure("ar_round", ar_round, (tp,), (ar_state0,), s.repeats)
-    return timings
+    benches.append(Bench("ar_round", ar_round, (tp,), (ar_state0,)))
+    return measure_interleaved(benches, s.repeats)
 
 
 @dataclasses.dataclass
 class E2E:
     name: str
     results: list[GenerationResult]
+    warmup_decode_s: float = float("nan")  # the first run after compiling (not counted)
 
     @property
     def first(self) -> GenerationResult:
@@ -390,6 +401,7 @@ class E2E:
         r = self.first
         return {
             "decode_s": self.decode_s, "decode_s_all": [x.decode_s for x in self.results],
+            "warmup_decode_s": self.warmup_decode_s,
             "prefill_s": r.prefill_s, "compile_s": r.compile_s, "tokens": r.num_tokens,
             "decoded_tokens": self.decoded, "rounds": self.rounds, "loop_iterations": self.loop_iterations,
             "tokens_per_s": self.decoded / self.decode_s,
@@ -397,18 +409,27 @@ class E2E:
         }
 
 
-def run_e2e(name: str, repeats: int, fn: Callable[[], GenerationResult]) -> E2E:
-    """One untimed warm-up generation (it compiles, and the first run of a fresh executable is slow: on
-    XLA:CPU several times slower than the next), then ``repeats`` timed ones (served from the compile
-    cache)."""
-    warm = fn()
-    results = [fn() for _ in range(repeats)]
-    for r in results:
-        r.compile_s = warm.compile_s
-    for r in [warm] + results[1:]:
-        if r.tokens != results[0].tokens:
-            raise RuntimeError(f"{name}: repeated runs gave different tokens (non-deterministic decode?)")
-    return E2E(name, results)
+def run_e2e(runs: dict[str, Callable[[], GenerationResult]], repeats: int,
+            log: Callable[[str], None] = lambda _: None,
+            warm: dict[str, GenerationResult] | None = None) -> dict[str, E2E]:
+    """One untimed warm-up generation per mode (it compiles, and the first run of a fresh executable is
+    slow: on XLA:CPU several times slower than the next), then ``repeats`` timed generations per mode,
+    round-robin (served from the compile cache). ``warm`` holds warm-up results already obtained."""
+    warm = dict(warm or {})
+    for name, fn in runs.items():
+        if name not in warm:
+            log(f"end to end: compiling and warming up '{name}' ...")
+            warm[name] = fn()
+    results: dict[str, list[GenerationResult]] = {name: [] for name in runs}
+    log(f"end to end: {repeats} timed generation(s) per mode ...")
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            r = fn()
+            if r.tokens != warm[name].tokens:
+                raise RuntimeError(f"{name}: repeated runs gave different tokens (non-deterministic decode?)")
+            r.compile_s = warm[name].compile_s
+            results[name].append(r)
+    return {name: E2E(name, rs, warm[name].decode_s) for name, rs in results.items()}
 
 
 def machine_info() -> dict:
@@ -439,25 +460,27 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
     prompts = random_prompts(tc.vocab_size, s.batch, s.context, s.seed)
     settings = DecodeSettings(max_new_tokens=s.new_tokens)
     t_start = time.perf_counter()
+    machine = machine_info()  # the load average at the start
 
     log("timing components (ar_step, verify, draft, round, ar_round) ...")
     comp = component_timings(tc, tp, dc, dp, s, prompts)
 
-    log("end to end: autoregressive ...")
-    ar = run_e2e("autoregressive", s.e2e_repeats,
-                 lambda: generate(tc, tp, prompts, NoProposer(), {}, settings, seed=s.seed, dtype=s.dtype))
+    log("end to end: the autoregressive reference output ...")
+    run_ar = lambda: generate(tc, tp, prompts, NoProposer(), {}, settings, seed=s.seed, dtype=s.dtype)  # noqa: E731
+    ar_warm = run_ar()
+    reference_tokens = ar_warm.tokens
     width = bucket(s.context) + s.new_tokens + s.block_size
-    reference, errors = plant_errors(prompts, ar.first.tokens, s.tau, s.block_size, width)
+    reference, errors = plant_errors(prompts, reference_tokens, s.tau, s.block_size, width)
     oracle = OracleProposer(s.block_size, tc.vocab_size)
     ostate = oracle.init_state(jnp.asarray(reference), jnp.asarray(errors))
-    log(f"end to end: DFlash with an oracle proposer (tau {s.tau}) ...")
-    orc = run_e2e("oracle", s.e2e_repeats,
-                  lambda: generate(tc, tp, prompts, oracle, ostate, settings, seed=s.seed, dtype=s.dtype))
     prop = DFlashProposer(dc, s.block_size, SamplingConfig(), s.dtype)
     pstate = prop.init_state(dp, shared_head(tp, tc.tie_word_embeddings), s.batch, width)
-    log("end to end: DFlash with the draft ...")
-    drf = run_e2e("draft", s.e2e_repeats,
-                  lambda: generate(tc, tp, prompts, prop, pstate, settings, seed=s.seed, dtype=s.dtype))
+    runs = run_e2e({
+        "autoregressive": run_ar,
+        "oracle": lambda: generate(tc, tp, prompts, oracle, ostate, settings, seed=s.seed, dtype=s.dtype),
+        "draft": lambda: generate(tc, tp, prompts, prop, pstate, settings, seed=s.seed, dtype=s.dtype),
+    }, s.e2e_repeats, log, warm={"autoregressive": ar_warm})
+    ar, orc, drf = runs["autoregressive"], runs["oracle"], runs["draft"]
 
     t = {k: v.median_s for k, v in comp.items()}
     tau = float(s.tau)
@@ -493,7 +516,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
             "draft": {"layers": dc.num_hidden_layers, "feature_layers": list(dc.target_layer_ids),
                       "params": _count(dp)},
         },
-        "machine": machine_info(),
+        "machine": machine,
         "timings": {k: v.to_dict() for k, v in comp.items()},
         "ratios": {"verify_over_ar_step": t["verify"] / t["ar_step"], "draft_over_verify": t["draft"] / t["verify"],
                    "round_overhead_ms": (t["round"] - t["verify"] - t["draft"]) * 1e3},
