@@ -28,24 +28,28 @@ def setup():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, tc.vocab_size - 1, n).tolist() for n in PROMPT_LENGTHS]
     settings = DecodeSettings(max_new_tokens=MAX_NEW, record_drafts=True)
-    ar = generate(tc, tp, prompts, NoProposer(), {}, settings)
+    ar = generate(tc, tp, prompts, NoProposer(), NoProposer().init(), settings)
     return tc, tp, dc, dp, prompts, settings, ar
 
 
 def test_random_draft_is_lossless(setup):
     tc, tp, dc, dp, prompts, settings, ar = setup
     prop = DFlashProposer(dc, BLOCK, settings.sampling)
-    state = prop.init_state(dp, shared_head(tp, tc.tie_word_embeddings), len(prompts), 16 + MAX_NEW + BLOCK)
+    state = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), len(prompts), 16 + MAX_NEW + BLOCK)
     out = generate(tc, tp, prompts, prop, state, settings)
     assert out.tokens == ar.tokens
     assert all(len(t) == MAX_NEW for t in out.tokens)
     assert [sum(a) + 1 for a in out.accept_lengths] == [len(t) for t in out.tokens]
+    # Only the loop state is donated: the caller's params are intact and reusable.
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves((tp, dp)))
+    assert generate(tc, tp, prompts, prop, prop.init(dp, shared_head(tp, False), len(prompts), 16 + MAX_NEW + BLOCK),
+                    settings).tokens == ar.tokens
 
 
 def test_streaming_in_chunks_gives_the_same_tokens(setup):
     tc, tp, dc, dp, prompts, settings, ar = setup
     seen = []
-    out = generate(tc, tp, prompts, NoProposer(), {}, settings, on_tokens=seen.append, chunk_rounds=7)
+    out = generate(tc, tp, prompts, NoProposer(), NoProposer().init(), settings, on_tokens=seen.append, chunk_rounds=7)
     assert out.tokens == ar.tokens
     assert len(seen) >= MAX_NEW // 7
     # Each chunk only extends what was shown before.
@@ -82,7 +86,7 @@ def oracle_run(setup, schedules, stop_tokens=(), max_new=MAX_NEW):
             start += length
     prop = OracleProposer(BLOCK, tc.vocab_size)
     s = DecodeSettings(max_new_tokens=max_new, stop_tokens=tuple(stop_tokens), record_drafts=True)
-    return generate(tc, tp, prompts, prop, prop.init_state(jnp.asarray(reference), jnp.asarray(errors)), s)
+    return generate(tc, tp, prompts, prop, prop.init(jnp.asarray(reference), jnp.asarray(errors)), s)
 
 
 SCHEDULES = [
@@ -126,7 +130,7 @@ def test_stop_token_inside_an_accepted_block(setup):
     out = oracle_run(setup, SCHEDULES, stop_tokens=[stop])
     ref = DecodeSettings(max_new_tokens=MAX_NEW, stop_tokens=(stop,))
     tc, tp, _, _, prompts, _, _ = setup
-    ar_stop = generate(tc, tp, prompts, NoProposer(), {}, ref)
+    ar_stop = generate(tc, tp, prompts, NoProposer(), NoProposer().init(), ref)
     assert out.tokens == ar_stop.tokens
     assert out.tokens[1] == gen[: cut + 1]
     assert out.accept_lengths[1] == [8]
@@ -142,9 +146,9 @@ def test_decode_loop_has_no_full_cache_copies(setup):
     pre, loop = compiled_functions(tc, prop, settings, slots, jnp.float32)
     tokens = np.zeros((len(prompts), 16), np.int32)
     lengths = np.asarray(PROMPT_LENGTHS, np.int32)
-    state = prop.init_state(dp, shared_head(tp, False), len(prompts), slots)
-    shape = jax.eval_shape(pre, tp, state, tokens, lengths, jax.random.PRNGKey(0))
-    hlo = loop.lower(tp, shape, jnp.int32(0)).compile().as_text()
+    consts, state = prop.init(dp, shared_head(tp, False), len(prompts), slots)
+    shape = jax.eval_shape(pre, tp, consts, state, tokens, lengths, jax.random.PRNGKey(0))
+    hlo = loop.lower(tp, consts, shape, jnp.int32(0)).compile().as_text()
     assert "while" in hlo
     # Any copy whose element count equals one layer's cache (target or draft, in any axis order) is a
     # full-cache copy.

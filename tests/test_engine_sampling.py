@@ -88,10 +88,10 @@ def run(models, cfg: SamplingConfig, seed: int, oracle=False):
     prompts = [PROMPT] * SAMPLES
     if oracle:  # a deterministic (point-mass) proposal that is always the token 0
         prop = OracleProposer(BLOCK, VOCAB)
-        state = prop.init_state(jnp.zeros((SAMPLES, 32), jnp.int32), jnp.zeros((SAMPLES, 32), bool))
+        state = prop.init(jnp.zeros((SAMPLES, 32), jnp.int32), jnp.zeros((SAMPLES, 32), bool))
     else:
         prop = DFlashProposer(dc, BLOCK, cfg)
-        state = prop.init_state(dp, shared_head(tp, False), SAMPLES, 16 + NEW + BLOCK)
+        state = prop.init(dp, shared_head(tp, False), SAMPLES, 16 + NEW + BLOCK)
     out = generate(tc, tp, prompts, prop, state, settings, seed=seed)
     assert all(len(t) == NEW for t in out.tokens)
     return [tuple(t) for t in out.tokens], out

@@ -72,15 +72,15 @@ class Decoder:
         self.check_fits([len(p) for p in prompts], max_new_tokens)
         settings = DecodeSettings(max_new_tokens, sampling, tuple(int(t) for t in stop_tokens))
         if baseline or not self.has_draft:
-            return generate(self.target_config, self.target_params, prompts, NoProposer(), {}, settings, seed,
-                            self.dtype, on_tokens=on_tokens)
+            return generate(self.target_config, self.target_params, prompts, NoProposer(), NoProposer().init(),
+                            settings, seed, self.dtype, on_tokens=on_tokens)
         proposer = DFlashProposer(self.draft_config, self.block_size, sampling, self.dtype)
         slots = bucket(max(len(p) for p in prompts)) + max_new_tokens + self.block_size
-        state = proposer.init_state(
+        inputs = proposer.init(
             self.draft_params, shared_head(self.target_params, self.target_config.tie_word_embeddings),
             len(prompts), slots,
         )
-        return generate(self.target_config, self.target_params, prompts, proposer, state, settings, seed,
+        return generate(self.target_config, self.target_params, prompts, proposer, inputs, settings, seed,
                         self.dtype, on_tokens=on_tokens)
 
 

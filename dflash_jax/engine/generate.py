@@ -58,8 +58,8 @@ def _is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
 
 def prefill(
     target_config: TargetConfig, proposer, settings: DecodeSettings, slots: int,
-    target_params: dict, proposer_state: Any, prompts: jax.Array, lengths: jax.Array, key: jax.Array,
-    dtype: Any = jnp.float32,
+    target_params: dict, proposer_consts: Any, proposer_state: Any, prompts: jax.Array, lengths: jax.Array,
+    key: jax.Array, dtype: Any = jnp.float32,
 ) -> LoopState:
     """Run the target over right-padded ``prompts [B, P]`` (``lengths [B]``), produce the first token and
     hand the prompt's features to the proposer."""
@@ -74,7 +74,7 @@ def prefill(
     key, k_first = jax.random.split(key)
     first = select(k_first, out.logits[:, 0], settings.sampling)
     if proposer.feature_layers:
-        proposer_state = proposer.ingest(proposer_state, out.features, positions, valid)
+        proposer_state = proposer.ingest(proposer_consts, proposer_state, out.features, positions, valid)
     feat_dim = out.features.shape[-1] if out.features is not None else 0
     ctx = (jnp.zeros((b, block, feat_dim), dtype), jnp.zeros((b, block), jnp.int32), jnp.zeros((b, block), bool))
     buf = jnp.zeros((b, settings.max_new_tokens + block), jnp.int32).at[:, 0].set(first)
@@ -89,12 +89,12 @@ def prefill(
 
 
 def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings, target_params: dict,
-                 s: LoopState, dtype: Any = jnp.float32) -> LoopState:
+                 proposer_consts: Any, s: LoopState, dtype: Any = jnp.float32) -> LoopState:
     block = proposer.block_size
     b = s.anchor.shape[0]
     active = ~s.done
     key, k_draft, k_accept = jax.random.split(s.key, 3)
-    drafts, draft_probs, pstate = proposer.propose(s.proposer, s.ctx, s.anchor, s.start, k_draft)
+    drafts, draft_probs, pstate = proposer.propose(proposer_consts, s.proposer, s.ctx, s.anchor, s.start, k_draft)
     tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)
     positions = s.start[:, None] + jnp.arange(block, dtype=jnp.int32)[None]
     verify = TargetModel(target_config, dtype).apply(
@@ -140,14 +140,16 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
 
 
 def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings, target_params: dict,
-                state: LoopState, step_limit: jax.Array, dtype: Any = jnp.float32) -> LoopState:
+                proposer_consts: Any, state: LoopState, step_limit: jax.Array, dtype: Any = jnp.float32
+                ) -> LoopState:
     """Rounds until every row is done, or until ``step_limit`` rounds in total (a traced value, so streaming
     can resume the same compiled loop chunk by chunk)."""
 
     def cond(s: LoopState):
         return (~jnp.all(s.done)) & (s.step < jnp.minimum(step_limit, settings.max_new_tokens))
 
-    body = functools.partial(decode_round, target_config, proposer, settings, target_params, dtype=dtype)
+    body = functools.partial(decode_round, target_config, proposer, settings, target_params, proposer_consts,
+                             dtype=dtype)
     return jax.lax.while_loop(cond, body, state)
 
 
@@ -155,8 +157,9 @@ def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings,
 def compiled_functions(target_config: TargetConfig, proposer, settings: DecodeSettings, slots: int, dtype):
     """Jitted prefill and decode for one configuration (XLA then caches one program per input shape)."""
     pre = jax.jit(functools.partial(prefill, target_config, proposer, settings, slots, dtype=dtype))
+    # Only the loop state (caches, buffers) is donated: params and proposer constants belong to the caller.
     loop = jax.jit(functools.partial(decode_loop, target_config, proposer, settings, dtype=dtype),
-                   donate_argnums=(1,))
+                   donate_argnums=(2,))
     return pre, loop
 
 
@@ -212,7 +215,7 @@ def generate(
     target_params: dict,
     prompts: Sequence[Sequence[int]],
     proposer,
-    proposer_state: Any,
+    proposer_inputs: tuple[Any, Any],
     settings: DecodeSettings,
     seed: int = 0,
     dtype: Any = jnp.float32,
@@ -246,16 +249,17 @@ def generate(
     key = jax.random.PRNGKey(seed)
 
     t0 = time.perf_counter()
-    signature = (target_config, proposer, settings, slots, dtype, _shapes(target_params), _shapes(proposer_state),
+    consts, pstate = proposer_inputs
+    signature = (target_config, proposer, settings, slots, dtype, _shapes(target_params), _shapes(proposer_inputs),
                  tokens.shape)
     if signature not in _EXECUTABLES:
-        pre_c = pre.lower(target_params, proposer_state, tokens, lengths, key).compile()
-        state_shape = jax.eval_shape(pre, target_params, proposer_state, tokens, lengths, key)
-        loop_c = loop.lower(target_params, state_shape, jnp.int32(0)).compile()
+        pre_c = pre.lower(target_params, consts, pstate, tokens, lengths, key).compile()
+        state_shape = jax.eval_shape(pre, target_params, consts, pstate, tokens, lengths, key)
+        loop_c = loop.lower(target_params, consts, state_shape, jnp.int32(0)).compile()
         # The first execution of a fresh executable is several times slower on CPU (measured 27 vs 1.4 ms per
         # token); one round of warm-up keeps that out of the timings.
-        jax.block_until_ready(loop_c(target_params, pre_c(target_params, proposer_state, tokens, lengths, key),
-                                     jnp.int32(1)))
+        warm = pre_c(target_params, consts, pstate, tokens, lengths, key)
+        jax.block_until_ready(loop_c(target_params, consts, warm, jnp.int32(1)))
         _EXECUTABLES[signature] = (pre_c, loop_c)
         while len(_EXECUTABLES) > 32:
             _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
@@ -263,17 +267,17 @@ def generate(
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    state = jax.block_until_ready(pre_c(target_params, proposer_state, tokens, lengths, key))
+    state = jax.block_until_ready(pre_c(target_params, consts, pstate, tokens, lengths, key))
     prefill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     if on_tokens is None:
-        state = jax.block_until_ready(loop_c(target_params, state, jnp.int32(settings.max_new_tokens)))
+        state = jax.block_until_ready(loop_c(target_params, consts, state, jnp.int32(settings.max_new_tokens)))
     else:
         on_tokens(_committed(state))
         limit = 0
         while not bool(np.all(np.asarray(state.done))) and limit < settings.max_new_tokens:
             limit += chunk_rounds
-            state = loop_c(target_params, state, jnp.int32(limit))
+            state = loop_c(target_params, consts, state, jnp.int32(limit))
             on_tokens(_committed(state))
     decode_s = time.perf_counter() - t0
 

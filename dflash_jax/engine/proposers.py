@@ -1,11 +1,17 @@
 """Proposers: what fills the block after the anchor in each round.
 
-A proposer is a small object with static settings and an array state carried through the decode loop:
+A proposer is a small hashable object with static settings (it is a static argument of the compiled
+programs) and two pytrees of arrays, returned together by its ``init(...)``:
 
-- ``init_state(batch, slots)`` -> state pytree
-- ``ingest(state, features, positions, valid)`` -> state: the target features of verified positions
-  (the prompt after prefill; the anchor and accepted drafts after each round)
-- ``propose(state, ctx, anchor, start, key)`` -> ``(tokens [B, K], probs [B, K, V] | None, state)``: the
+- ``consts``: read-only inputs (draft params, the target's embedding and head, oracle references); never
+  donated, so the caller's arrays survive the call;
+- ``state``: what the rounds update (the draft's context KV cache), carried and donated through the loop.
+
+Methods:
+
+- ``ingest(consts, state, features, positions, valid)`` -> state: the target features of verified positions
+  (the prompt after prefill)
+- ``propose(consts, state, ctx, anchor, start, key)`` -> ``(tokens [B, K], probs [B, K, V] | None, state)``: the
   K = block-1 proposed tokens for positions ``start+1 .. start+K`` and, for sampling, the distribution each
   came from (None means a deterministic proposal). ``ctx = (features, positions, valid)`` holds the target
   features of the positions verified in the previous round, which the DFlash draft writes into its context
@@ -50,25 +56,26 @@ class DFlashProposer:
     def model(self) -> DraftModel:
         return DraftModel(self.config, self.dtype)
 
-    def init_state(self, params: dict, shared: SharedHead, batch: int, slots: int) -> dict:
-        return {"params": params, "shared": shared, "cache": init_draft_cache(self.config, batch, slots, self.dtype)}
+    def init(self, params: dict, shared: SharedHead, batch: int, slots: int) -> tuple[dict, dict]:
+        consts = {"params": params, "shared": shared}
+        return consts, {"cache": init_draft_cache(self.config, batch, slots, self.dtype)}
 
-    def ingest(self, state: dict, features, positions, valid) -> dict:
-        cache = self.model.apply({"params": state["params"]}, features, positions, valid, state["cache"],
+    def ingest(self, consts: dict, state: dict, features, positions, valid) -> dict:
+        cache = self.model.apply({"params": consts["params"]}, features, positions, valid, state["cache"],
                                  method=DraftModel.write_context)
-        return {**state, "cache": cache}
+        return {"cache": cache}
 
-    def propose(self, state: dict, ctx, anchor, start, key):
+    def propose(self, consts: dict, state: dict, ctx, anchor, start, key):
         b = anchor.shape[0]
         k = self.block_size - 1
         tokens = jnp.concatenate([anchor[:, None], jnp.full((b, k), self.config.mask_token_id, jnp.int32)], axis=1)
         positions = start[:, None] + jnp.arange(self.block_size)[None]
         features, ctx_positions, ctx_valid = ctx
         out = self.model.apply(
-            {"params": state["params"]}, tokens, positions, features, ctx_positions, ctx_valid,
-            state["cache"], state["shared"],
+            {"params": consts["params"]}, tokens, positions, features, ctx_positions, ctx_valid,
+            state["cache"], consts["shared"],
         )
-        state = {**state, "cache": out.cache}
+        state = {"cache": out.cache}
         logits = out.logits[:, 1:]
         if self.sampling.greedy:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, state
@@ -88,17 +95,17 @@ class OracleProposer:
     vocab_size: int
     feature_layers: tuple[int, ...] = ()
 
-    def init_state(self, reference: jax.Array, errors: jax.Array) -> dict:
+    def init(self, reference: jax.Array, errors: jax.Array) -> tuple[dict, dict]:
         """``reference [B, L]`` tokens by absolute position; ``errors [B, L]`` positions to corrupt."""
-        return {"reference": reference.astype(jnp.int32), "errors": errors}
+        return {"reference": jnp.asarray(reference, jnp.int32), "errors": jnp.asarray(errors, bool)}, {}
 
-    def ingest(self, state, features, positions, valid):
+    def ingest(self, consts, state, features, positions, valid):
         return state
 
-    def propose(self, state, ctx, anchor, start, key):
+    def propose(self, consts, state, ctx, anchor, start, key):
         pos = start[:, None] + 1 + jnp.arange(self.block_size - 1)[None]
-        ref = jnp.take_along_axis(state["reference"], pos, axis=1, mode="clip")
-        bad = jnp.take_along_axis(state["errors"], pos, axis=1, mode="fill", fill_value=False)
+        ref = jnp.take_along_axis(consts["reference"], pos, axis=1, mode="clip")
+        bad = jnp.take_along_axis(consts["errors"], pos, axis=1, mode="fill", fill_value=False)
         return jnp.where(bad, (ref + 1) % self.vocab_size, ref), None, state
 
 
@@ -109,11 +116,11 @@ class NoProposer:
     block_size: int = 1
     feature_layers: tuple[int, ...] = ()
 
-    def init_state(self) -> dict:
-        return {}
+    def init(self) -> tuple[dict, dict]:
+        return {}, {}
 
-    def ingest(self, state, features, positions, valid):
+    def ingest(self, consts, state, features, positions, valid):
         return state
 
-    def propose(self, state, ctx, anchor, start, key):
+    def propose(self, consts, state, ctx, anchor, start, key):
         return jnp.zeros((anchor.shape[0], 0), jnp.int32), None, state

@@ -311,13 +311,12 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
     # Caches filled by real prefills, with the slot counts generate() uses for each mode.
     prop = DFlashProposer(dc, block, SamplingConfig(), dtype)
     slots = width + s.new_tokens + block
-    pstate = prop.init_state(dp, shared_head(tp, tc.tie_word_embeddings), b, slots)
+    consts, pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), b, slots)
     pre, _ = compiled_functions(tc, prop, settings, slots, dtype)
-    state0 = jax.block_until_ready(pre(tp, pstate, tokens, lengths, key))
+    state0 = jax.block_until_ready(pre(tp, consts, pstate, tokens, lengths, key))
     ar_prop = NoProposer()
     ar_pre, _ = compiled_functions(tc, ar_prop, settings, width + s.new_tokens + 1, dtype)
-    ar_state0 = jax.block_until_ready(ar_pre(tp, {}, tokens, lengths, key))
-    shared = state0.proposer["shared"]
+    ar_state0 = jax.block_until_ready(ar_pre(tp, *ar_prop.init(), tokens, lengths, key))
     start = state0.start  # [b] = context: the first anchor's position
 
     def ar_step(params, cache, token, pos):
@@ -342,23 +341,20 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
     ctx = (features, start[:, None] - block + jnp.arange(block, dtype=jnp.int32)[None], jnp.ones((b, block), bool))
     draft_key = jax.random.PRNGKey(s.seed + 1)
 
-    def draft(params, sh, ctx_, anchor, st, cache):
-        drafts, _, new = prop.propose({"params": params, "shared": sh, "cache": cache}, ctx_, anchor, st, draft_key)
-        return drafts, new["cache"]
+    def draft(draft_consts, ctx_, anchor, st, pstate_):
+        drafts, _, new = prop.propose(draft_consts, pstate_, ctx_, anchor, st, draft_key)
+        return drafts, new
 
-    benches.append(Bench("draft", draft, (dp, shared, ctx, state0.anchor, start), (state0.proposer["cache"],)))
+    benches.append(Bench("draft", draft, (consts, ctx, state0.anchor, start), (state0.proposer,)))
 
-    # A whole round (the first after prefill), params kept out of the donated state.
-    def dflash_round(params, draft_params, sh, state):
-        full = state._replace(proposer={"params": draft_params, "shared": sh, "cache": state.proposer["cache"]})
-        out = decode_round(tc, prop, settings, params, full, dtype=dtype)
-        return out._replace(proposer={"cache": out.proposer["cache"]})
+    # A whole round (the first after prefill); params and draft constants are not donated.
+    def dflash_round(params, draft_consts, state):
+        return decode_round(tc, prop, settings, params, draft_consts, state, dtype=dtype)
 
-    rest = state0._replace(proposer={"cache": state0.proposer["cache"]})
-    benches.append(Bench("round", dflash_round, (tp, dp, shared), (rest,)))
+    benches.append(Bench("round", dflash_round, (tp, consts), (state0,)))
 
     def ar_round(params, state):
-        return decode_round(tc, ar_prop, settings, params, state, dtype=dtype)
+        return decode_round(tc, ar_prop, settings, params, {}, state, dtype=dtype)
 
     benches.append(Bench("ar_round", ar_round, (tp,), (ar_state0,)))
     return measure_interleaved(benches, s.repeats)
@@ -466,15 +462,16 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
     comp = component_timings(tc, tp, dc, dp, s, prompts)
 
     log("end to end: the autoregressive reference output ...")
-    run_ar = lambda: generate(tc, tp, prompts, NoProposer(), {}, settings, seed=s.seed, dtype=s.dtype)  # noqa: E731
+    run_ar = lambda: generate(tc, tp, prompts, NoProposer(), NoProposer().init(), settings,  # noqa: E731
+                              seed=s.seed, dtype=s.dtype)
     ar_warm = run_ar()
     reference_tokens = ar_warm.tokens
     width = bucket(s.context) + s.new_tokens + s.block_size
     reference, errors = plant_errors(prompts, reference_tokens, s.tau, s.block_size, width)
     oracle = OracleProposer(s.block_size, tc.vocab_size)
-    ostate = oracle.init_state(jnp.asarray(reference), jnp.asarray(errors))
+    ostate = oracle.init(jnp.asarray(reference), jnp.asarray(errors))
     prop = DFlashProposer(dc, s.block_size, SamplingConfig(), s.dtype)
-    pstate = prop.init_state(dp, shared_head(tp, tc.tie_word_embeddings), s.batch, width)
+    pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), s.batch, width)
     runs = run_e2e({
         "autoregressive": run_ar,
         "oracle": lambda: generate(tc, tp, prompts, oracle, ostate, settings, seed=s.seed, dtype=s.dtype),
