@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.engine.decoder import Decoder
 from dflash_jax.engine.generate import DecodeSettings, compiled_functions, generate
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
 from dflash_jax.engine.sampling import SamplingConfig
@@ -158,3 +159,14 @@ def test_decode_loop_has_no_full_cache_copies(setup):
     sizes = [int(np.prod([int(x) for x in c.split(",") if x])) for c in copies]
     assert copies, "expected some (small) copies in the HLO; did the regex break?"
     assert cache_elems not in sizes and draft_elems not in sizes
+
+
+def test_bfloat16_engine_runs_and_stays_lossless(setup):
+    """Accelerators run in bf16: params, caches and activations in bf16 (softmax/norms in fp32). The tiny
+    model's greedy choices are well separated, so DFlash must still reproduce the bf16 baseline exactly."""
+    tc, tp, dc, dp, prompts, settings, _ = setup
+    to_bf16 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)  # noqa: E731
+    decoder = Decoder(tc, to_bf16(tp), dc, to_bf16(dp), BLOCK, "bfloat16")
+    ar = decoder.generate(prompts, 16, baseline=True)
+    df = decoder.generate(prompts, 16)
+    assert df.tokens == ar.tokens and all(len(t) == 16 for t in df.tokens)
