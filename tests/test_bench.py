@@ -330,3 +330,21 @@ def test_sampling_report_without_identity(tmp_path):
     doc = json.loads(paths["json"].read_text())
     assert doc["meta"]["temperature"] == 0.7 and doc["settings"]["seed"] == 5 and doc["meta"]["target"] == "t"
     assert paths["plot"].stat().st_size > 0
+
+
+def test_bench_on_a_tiny_hf_target_with_chat_template(tmp_path, capsys):
+    """Runs without the shared data: a tiny Hugging Face target saved in the test (character tokenizer with a
+    chat template), a tiny draft, synthetic prompt files."""
+    from cli_tiny import write_tiny_pair
+
+    target, draft = write_tiny_pair(tmp_path / "models")
+    prompts = write_prompts(tmp_path / "prompts", mt_turns=("Tell a story.", "Go on."))
+    out = tmp_path / "out"
+    rc = bench_cli.main(["--target", str(target), "--ckpt", str(draft), "--prompts-dir", str(prompts),
+                         "--max-samples", "1", "--datasets", "gsm8k,mt-bench", "--max-new-tokens", "6",
+                         "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    doc = json.loads((out / "results.json").read_text())
+    assert all(s["identical"] == 1.0 and 1 <= s["tau"] <= 8 for s in doc["summary"].values())
+    first, second = [r for r in doc["turns"] if r["dataset"] == "mt-bench"]
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["dflash"]["tokens"] - 1
