@@ -73,10 +73,10 @@ class DFlashProposer:
         features, ctx_positions, ctx_valid = ctx
         out = self.model.apply(
             {"params": consts["params"]}, tokens, positions, features, ctx_positions, ctx_valid,
-            state["cache"], consts["shared"],
+            state["cache"], consts["shared"], skip_anchor_logits=True,
         )
         state = {"cache": out.cache}
-        logits = out.logits[:, 1:]
+        logits = out.logits
         if self.sampling.greedy:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, state
         probs = probabilities(logits, self.sampling)

@@ -30,7 +30,7 @@ class SharedHead(NamedTuple):
 
 
 class DraftOutput(NamedTuple):
-    logits: jax.Array  # [B, block, V] (position 0, the anchor, is meaningless; callers drop it)
+    logits: jax.Array  # [B, block, V] (position 0, the anchor, is meaningless) or [B, block-1, V] without it
     cache: KVCache | None
 
 
@@ -160,6 +160,7 @@ class DraftModel(nn.Module):
         ctx_valid: jax.Array,
         cache: KVCache,
         shared: SharedHead,
+        skip_anchor_logits: bool = False,
     ) -> DraftOutput:
         """One inference forward.
 
@@ -175,6 +176,8 @@ class DraftModel(nn.Module):
         for i, layer in enumerate(self.layers):
             ctx_m = context_mask(block_positions, key_positions, key_valid, layer.window)
             x = layer(x, block_positions, cache.keys[i], cache.values[i], ctx_m, block_mask(block_positions, layer.window))
+        if skip_anchor_logits:  # the anchor's prediction is never used at inference: save 1/B of the head
+            x = x[:, 1:]
         return DraftOutput(self.logits(x, shared), cache)
 
     def write_context(self, ctx_features: jax.Array, ctx_positions: jax.Array, ctx_valid: jax.Array,
