@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_jax.checkpoints import orbax_io
+from dflash_jax.checkpoints.loading import restore_orbax
 from dflash_jax.checkpoints.safetensors_io import CheckpointError
 from dflash_jax.models.config import ConfigError
 from infer.cli import Parser, UsageError, run_cli
@@ -220,24 +221,8 @@ def to_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Namespa
 
 
 def from_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Namespace, shown: Path) -> str:
-    meta = orbax_io.read_meta(src)
-    source = f"{src / orbax_io.META_FILE} [config]"
-    if kind == "draft":
-        from dflash_jax.models.draft_config import DraftConfig
-
-        config = DraftConfig.from_dict(meta["config"], source=source)
-    else:
-        from dflash_jax.models.config import TargetConfig
-
-        config = TargetConfig.from_dict(meta["config"], source=source)
     _say(args, f"reading Orbax checkpoint {src} ...")
-    try:
-        params, _ = orbax_io.restore_params(src, dtype=dtype)
-    except (CheckpointError, ConfigError):
-        raise
-    except Exception as e:  # Orbax/TensorStore raise many types for a damaged store
-        raise CheckpointError(f"{src / orbax_io.PARAMS_DIR}: cannot restore the Orbax params ({e})") from None
-    _check_tree(src, kind, config, params)
+    config, params = restore_orbax(src, kind, dtype)
     _say(args, f"writing {'official draft' if kind == 'draft' else 'Hugging Face target'} directory ...")
     if kind == "draft":
         from dflash_jax.checkpoints.official_draft import save_draft
@@ -252,41 +237,6 @@ def from_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Names
     extra = f", kept {', '.join(extras)}" if extras else ""
     layout = "official draft" if kind == "draft" else "Hugging Face"
     return f"converted Orbax {kind} {src} -> {layout} {shown} ({n} tensors, {dtypes}{extra})"
-
-
-def _check_tree(src: Path, kind: str, config: Any, params: Any) -> None:
-    """The restored params must have exactly the shapes the config implies (no silent partial export)."""
-    import jax
-
-    from dflash_jax.checkpoints.safetensors_io import flatten
-
-    if kind == "draft":
-        from dflash_jax.checkpoints.official_draft import abstract_draft_params as abstract_of
-    else:
-        from dflash_jax.checkpoints.hf_target import abstract_target_params as abstract_of
-    want = {k: tuple(v.shape) for k, v in flatten(abstract_of(config)).items()}
-    if not isinstance(params, dict):
-        raise CheckpointError(f"{src / orbax_io.PARAMS_DIR}: expected a tree of parameter dicts")
-    got = {k: tuple(jax.numpy.shape(v)) for k, v in flatten(params).items()}
-    missing = sorted(set(want) - set(got))
-    unexpected = sorted(set(got) - set(want))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append("missing " + _paths(missing))
-        if unexpected:
-            parts.append("unexpected " + _paths(unexpected))
-        raise CheckpointError(f"{src / orbax_io.PARAMS_DIR}: params do not match meta.json config ({'; '.join(parts)})")
-    for k in sorted(want):
-        if want[k] != got[k]:
-            raise CheckpointError(
-                f"{src / orbax_io.PARAMS_DIR}: param {'/'.join(k)!r} has shape {list(got[k])}, "
-                f"expected {list(want[k])} from meta.json config"
-            )
-
-
-def _paths(paths: list[tuple[str, ...]]) -> str:
-    return ", ".join("/".join(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
 
 
 def convert(args: argparse.Namespace) -> str:

@@ -25,7 +25,8 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False) ->
                              "or an Orbax checkpoint written by 'python -m infer convert'")
     parser.add_argument("--ckpt", required=need_draft, metavar="DIR",
                         help="the DFlash draft: an official draft directory (config.json + model.safetensors) or "
-                             "an Orbax checkpoint" + ("" if need_draft else "; without it only the baseline runs"))
+                             "an Orbax checkpoint" + ("" if need_draft else
+                                                      "; may be left out together with --baseline (baseline only)"))
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="tokenizer directory (default: the target's own tokenizer files)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -80,12 +81,15 @@ def read_prompt_file(path: Path) -> list[str]:
     """Prompts from .txt (one per line), .json (a list) or .jsonl (objects with a prompt field); .gz ok."""
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
     if name.endswith(".txt"):
-        return [line for line in read_text_file(path).splitlines() if line.strip()]
-    if name.endswith(".json"):
+        rows = list(enumerate((line for line in read_text_file(path).splitlines() if line.strip()), start=1))
+    elif name.endswith(".json"):
         try:
-            rows = list(enumerate(json.loads(read_text_file(path)), start=1))
+            doc = json.loads(read_text_file(path))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(doc, list):
+            raise ValueError(f"{path}: expected a JSON list of prompts, got a {type(doc).__name__}")
+        rows = list(enumerate(doc, start=1))
     else:
         rows = read_jsonl(path)
     prompts = []
@@ -102,6 +106,8 @@ def read_prompt_file(path: Path) -> list[str]:
                 prompts.append(row[field])
                 continue
         raise ValueError(f"{path}:{where}: no prompt field (one of {', '.join(PROMPT_FIELDS)} or 'turns')")
+    if not prompts:
+        raise ValueError(f"{path}: no prompts in the file")
     return prompts
 
 
@@ -120,7 +126,8 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
     if args.block_size is not None and draft_config is None:
         raise UsageError("--block-size needs a draft (--ckpt)")
     decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype)
-    return decoder, tokenizer, stop_tokens_of(target_config, tokenizer, tok_dir)
+    # EOS ids come from the target's own generation config, whichever tokenizer directory is used.
+    return decoder, tokenizer, stop_tokens_of(target_config, tokenizer, tokenizer_dir(target_path))
 
 
 def sampling_of(args: argparse.Namespace) -> SamplingConfig:
@@ -142,8 +149,26 @@ def summarize(dflash: GenerationResult | None, baseline: GenerationResult | None
             out[name] = {"tokens": r.num_tokens, "prefill_s": r.prefill_s, "decode_s": r.decode_s,
                          "compile_s": r.compile_s, "tokens_per_s": tokens_per_second(r), "tau": r.tau}
     if dflash is not None and baseline is not None:
-        out["speedup"] = out["dflash"]["tokens_per_s"] / out["baseline"]["tokens_per_s"]
+        ours, theirs = out["dflash"]["tokens_per_s"], out["baseline"]["tokens_per_s"]
+        # None when nothing was decoded after the prefill token (max_new_tokens 1, or EOS first).
+        out["speedup"] = ours / theirs if ours > 0 and theirs > 0 else None
     return out
+
+
+class TextStream:
+    """Prints row 0's text as chunks of tokens arrive. A multi-byte character split across chunks decodes to
+    U+FFFD until its last byte arrives: hold back until then, and only ever print what extends the text
+    already shown."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out, self.shown = tokenizer, out, ""
+
+    def __call__(self, rows: list[list[int]]) -> None:
+        text = self.tokenizer.decode(rows[0], skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(self.shown):
+            return
+        print(text[len(self.shown):], end="", file=self.out or sys.stdout, flush=True)
+        self.shown = text
 
 
 def generate_main(args: argparse.Namespace) -> int:
@@ -158,15 +183,7 @@ def generate_main(args: argparse.Namespace) -> int:
     decoder, tokenizer, stops = load_decoder(args, need_draft=not args.baseline)
     ids = [encode_conversation(tokenizer, [{"role": "user", "content": p}], args.chat_template) for p in prompts]
 
-    on_tokens = None
-    if args.stream and not args.json:
-        shown = {"text": ""}
-
-        def on_tokens(rows):
-            text = tokenizer.decode(rows[0], skip_special_tokens=True)
-            print(text[len(shown["text"]):], end="", flush=True)
-            shown["text"] = text
-
+    on_tokens = TextStream(tokenizer) if args.stream and not args.json else None
     dflash = None
     if decoder.has_draft:
         dflash = decoder.generate(ids, args.max_new_tokens, sampling, stops, seed=args.seed, on_tokens=on_tokens)
@@ -188,13 +205,24 @@ def generate_main(args: argparse.Namespace) -> int:
             row["matches_baseline"] = dflash.tokens[i] == baseline.tokens[i]
         rows.append(row)
     if args.json:
-        print(json.dumps({"results": rows, "summary": summary}, indent=2))
+        print(json.dumps(no_nan({"results": rows, "summary": summary}), indent=2))
         return 0
     if not args.stream:
         for row in rows:
             print(f"### {row['prompt']}\n{row['text']}\n")
     print(format_summary(summary), file=sys.stderr if args.stream else sys.stdout)
     return 0
+
+
+def no_nan(value):
+    """JSON has no NaN (e.g. tau when no round ran): write null instead."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [no_nan(v) for v in value]
+    return value
 
 
 def format_summary(summary: dict) -> str:
@@ -205,7 +233,7 @@ def format_summary(summary: dict) -> str:
             tau = f", tau {s['tau']:.2f}" if name == "dflash" else ""
             lines.append(f"{name:8s}: {s['tokens']} tokens, {s['tokens_per_s']:.1f} tok/s decode "
                          f"({s['decode_s']:.3f} s), prefill {s['prefill_s']:.3f} s{tau}")
-    if "speedup" in summary:
+    if summary.get("speedup") is not None:
         lines.append(f"speedup : {summary['speedup']:.2f}x (decode tokens/s, DFlash vs baseline, same engine)")
     return "\n".join(lines)
 

@@ -170,3 +170,14 @@ def test_bfloat16_engine_runs_and_stays_lossless(setup):
     ar = decoder.generate(prompts, 16, baseline=True)
     df = decoder.generate(prompts, 16)
     assert df.tokens == ar.tokens and all(len(t) == 16 for t in df.tokens)
+
+
+def test_prompt_checks_vocab_and_positions(setup):
+    tc, tp, *_ = setup
+    decoder = Decoder(tc, tp)
+    with pytest.raises(ValueError, match="token id 97 outside"):
+        decoder.generate([[1, 97]], 4, baseline=True)
+    # 300 + 10 fits 512 positions even though the power-of-two bucket (512) alone would not.
+    assert len(decoder.generate([[1] * 300], 10, baseline=True).tokens[0]) == 10
+    with pytest.raises(ValueError, match="exceeds the target's 512 positions"):
+        decoder.generate([[1] * 505], 10, baseline=True)

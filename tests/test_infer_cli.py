@@ -53,7 +53,10 @@ def test_prompt_file_block_size_sampling_and_stream(pair, tmp_path, capsys):
     (["--ckpt", "{draft}", "--prompt", "x"], "--target"),
     (["--target", "{tmp}/missing", "--ckpt", "{draft}", "--prompt", "x"], "missing"),
     (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--block-size", "99"], "block"),
-    (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--max-new-tokens", "5000"], "does not fit"),
+    (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--max-new-tokens", "5000"], "exceeds"),
+    (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--temperature", "nan"], "finite"),
+    (["--target", "{target}", "--ckpt", "{draft}", "--prompt-file", "{tmp}/one.json"], "JSON list"),
+    (["--target", "{target}", "--ckpt", "{draft}", "--prompt-file", "{tmp}/empty.txt"], "no prompts"),
     (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--temperature", "-1"], "temperature"),
     (["--target", "{target}", "--ckpt", "{draft}", "--prompt-file", "{tmp}/nope.txt"], "nope.txt"),
     (["--target", "{target}", "--ckpt", "{draft}"], "--prompt"),
@@ -62,6 +65,8 @@ def test_prompt_file_block_size_sampling_and_stream(pair, tmp_path, capsys):
 ])
 def test_bad_input_is_one_clear_error(pair, tmp_path, capsys, argv, message):
     target, draft = pair
+    (tmp_path / "one.json").write_text('"hello"')
+    (tmp_path / "empty.txt").write_text("\n  \n")
     argv = [a.format(target=target, draft=draft, tmp=tmp_path) for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -83,3 +88,28 @@ def test_demo_on_stories260k(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "DFlash output identical to the baseline: True" in proc.stdout
     assert "identical to llama2.c's expected text:  True" in proc.stdout
+
+
+def test_nothing_decoded_after_prefill_gives_no_speedup_not_a_crash(pair, capsys):
+    target, draft = pair
+    doc = run_json(capsys, ["--target", str(target), "--ckpt", str(draft), "--prompt", "hi", "--max-new-tokens", "1",
+                            "--baseline"])
+    assert doc["summary"]["speedup"] is None and doc["summary"]["dflash"]["tau"] is None
+    assert [len(r["tokens"]) for r in doc["results"]] == [1]
+
+
+def test_stream_waits_for_complete_characters():
+    import io
+
+    from infer.run import TextStream
+
+    class ByteTokenizer:  # ids are UTF-8 bytes, like a byte-level BPE split inside a character
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    ids = list("日本".encode())
+    out = io.StringIO()
+    stream = TextStream(ByteTokenizer(), out)
+    for n in (2, 4, len(ids)):
+        stream([ids[:n]])
+    assert out.getvalue() == "日本"

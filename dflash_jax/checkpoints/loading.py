@@ -7,37 +7,76 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from dflash_jax.checkpoints import orbax_io
-from dflash_jax.checkpoints.hf_target import load_target, resolve_dtype
-from dflash_jax.checkpoints.official_draft import load_draft
-from dflash_jax.checkpoints.safetensors_io import CheckpointError
-from dflash_jax.models.config import TargetConfig
+from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target, resolve_dtype
+from dflash_jax.checkpoints.official_draft import abstract_draft_params, load_draft
+from dflash_jax.checkpoints.safetensors_io import CheckpointError, flatten
+from dflash_jax.models.config import ConfigError, TargetConfig
 from dflash_jax.models.draft_config import DraftConfig
 
 EXTRA_DIR = "hf_extra"  # tokenizer files kept inside an Orbax checkpoint by ``python -m infer convert``
 
 
-def _restore(path: Path, kind: str, dtype: Any) -> tuple[dict, dict]:
-    params, meta = orbax_io.restore_params(path, dtype=dtype)
+def _paths(paths: list[tuple[str, ...]]) -> str:
+    return ", ".join("/".join(p) for p in paths[:3]) + (" ..." if len(paths) > 3 else "")
+
+
+def check_params_match(params: Any, abstract: Any, where: str) -> None:
+    """Restored params must have exactly the paths and shapes the config implies, so a checkpoint that does
+    not fit its config is a clear error naming the param rather than a Flax shape error mid-run."""
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{where}: expected a tree of parameter dicts")
+    want = {k: tuple(v.shape) for k, v in flatten(abstract).items()}
+    got = {k: tuple(np.shape(v)) for k, v in flatten(params).items()}
+    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or unexpected:
+        parts = (["missing " + _paths(missing)] if missing else []) + (
+            ["unexpected " + _paths(unexpected)] if unexpected else [])
+        raise CheckpointError(f"{where}: params do not match the config ({'; '.join(parts)})")
+    for k in sorted(want):
+        if want[k] != got[k]:
+            raise CheckpointError(
+                f"{where}: param {'/'.join(k)!r} has shape {list(got[k])}, expected {list(want[k])} from the config"
+            )
+
+
+def restore_orbax(path: str | Path, kind: str, dtype: Any = None) -> tuple[TargetConfig | DraftConfig, dict]:
+    """An Orbax checkpoint of this project holding a ``kind`` ('target' or 'draft'), checked against the
+    config stored in its ``meta.json``. ``dtype=None`` keeps the stored dtypes."""
+    path = Path(path)
+    meta = orbax_io.read_meta(path)
     if meta["kind"] != kind:
         raise CheckpointError(f"{path}: holds a {meta['kind']} checkpoint, but a {kind} was expected")
-    return params, meta
+    if not isinstance(meta["config"], dict):
+        raise CheckpointError(f"{path / orbax_io.META_FILE}: 'config' must be a JSON object")
+    source = f"{path / orbax_io.META_FILE} [config]"
+    if kind == "draft":
+        config = DraftConfig.from_dict(meta["config"], source=source)
+        abstract = abstract_draft_params(config)
+    else:
+        config = TargetConfig.from_dict(meta["config"], source=source)
+        abstract = abstract_target_params(config)
+    try:
+        params, _ = orbax_io.restore_params(path, dtype=resolve_dtype(dtype) if dtype is not None else None)
+    except (CheckpointError, ConfigError):
+        raise
+    except Exception as e:  # Orbax/TensorStore raise many types for a damaged store
+        raise CheckpointError(f"{path / orbax_io.PARAMS_DIR}: cannot restore the Orbax params ({e})") from None
+    check_params_match(params, abstract, str(path / orbax_io.PARAMS_DIR))
+    return config, params
 
 
 def load_target_any(path: str | Path, dtype: Any = "float32", progress: bool = False) -> tuple[TargetConfig, dict]:
-    path = Path(path)
     if orbax_io.is_orbax_dir(path):
-        params, meta = _restore(path, "target", resolve_dtype(dtype))
-        return TargetConfig.from_dict(meta["config"], source=str(path / orbax_io.META_FILE)), params
+        return restore_orbax(path, "target", dtype)
     return load_target(path, dtype=dtype, progress=progress)
 
 
 def load_draft_any(path: str | Path, dtype: Any = "float32", progress: bool = False) -> tuple[DraftConfig, dict]:
-    path = Path(path)
     if orbax_io.is_orbax_dir(path):
-        params, meta = _restore(path, "draft", resolve_dtype(dtype))
-        return DraftConfig.from_dict(meta["config"], source=str(path / orbax_io.META_FILE)), params
+        return restore_orbax(path, "draft", dtype)
     return load_draft(path, dtype=dtype, progress=progress)
 
 
@@ -56,7 +95,10 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json); pass --tokenizer")
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types (JSON, protobuf, OS) for a broken tokenizer
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
 
 
 def cast(params: Any, dtype: Any) -> Any:

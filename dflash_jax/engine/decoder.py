@@ -7,17 +7,16 @@ speedup compares like with like.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 
 from dflash_jax.checkpoints.hf_target import resolve_dtype
-from dflash_jax.engine.generate import DecodeSettings, GenerationResult, bucket, generate
+from dflash_jax.engine.generate import DecodeSettings, GenerationResult, generate, prompt_width
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer
 from dflash_jax.engine.sampling import SamplingConfig
-from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.config import TargetConfig, read_json_object
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig
 
@@ -48,16 +47,8 @@ class Decoder:
         return self.draft_config is not None
 
     def check_fits(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
-        """Refuse before compiling anything when a prompt cannot fit the cache."""
-        block = self.block_size or 1
-        longest = max(prompt_lengths)
-        limit = self.target_config.max_position_embeddings
-        if bucket(longest) + max_new_tokens > limit:
-            raise ValueError(
-                f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} does not fit the "
-                f"{limit}-position cache of this target (max_position_embeddings); shorten the prompt or "
-                f"lower --max-new-tokens (block {block})"
-            )
+        """Refuse before compiling anything when a prompt cannot fit the target's positions."""
+        prompt_width(max(prompt_lengths), max_new_tokens, self.target_config.max_position_embeddings)
 
     def generate(
         self,
@@ -75,7 +66,8 @@ class Decoder:
             return generate(self.target_config, self.target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)
         proposer = DFlashProposer(self.draft_config, self.block_size, sampling, self.dtype)
-        slots = bucket(max(len(p) for p in prompts)) + max_new_tokens + self.block_size
+        width = prompt_width(max(len(p) for p in prompts), max_new_tokens, self.target_config.max_position_embeddings)
+        slots = width + max_new_tokens + self.block_size
         inputs = proposer.init(
             self.draft_params, shared_head(self.target_params, self.target_config.tie_word_embeddings),
             len(prompts), slots,
@@ -88,7 +80,7 @@ def stop_tokens_of(target_config: TargetConfig, tokenizer: Any = None, target_di
     """EOS ids from the model config, ``generation_config.json`` and the tokenizer."""
     ids = set(target_config.eos_token_ids)
     if target_dir is not None and (target_dir / "generation_config.json").is_file():
-        eos = json.loads((target_dir / "generation_config.json").read_text()).get("eos_token_id")
+        eos = read_json_object(target_dir / "generation_config.json", "generation config").get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))

@@ -200,6 +200,17 @@ def _committed(state: LoopState) -> list[list[int]]:
     return [out[i, : num[i]].tolist() for i in range(out.shape[0])]
 
 
+def prompt_width(longest: int, max_new_tokens: int, max_positions: int) -> int:
+    """Padded prompt width for a batch: the power-of-two bucket, shrunk when padding alone would push the cache
+    past ``max_positions`` (only the real prompt plus ``max_new_tokens`` must fit)."""
+    if longest + max_new_tokens > max_positions:
+        raise ValueError(
+            f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the target's "
+            f"{max_positions} positions (max_position_embeddings); shorten the prompt or lower max_new_tokens"
+        )
+    return max(longest, min(bucket(longest), max_positions - max_new_tokens))
+
+
 def bucket(n: int, smallest: int = 16) -> int:
     """Padded prompt width: the next power of two (at least ``smallest``). Every distinct width is a new
     compilation (seconds on CPU, much more for an 8B model on an accelerator), while padding only costs
@@ -231,16 +242,17 @@ def generate(
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    vocab = target_config.vocab_size
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= int(t) < vocab]
+        if bad:  # JAX would not fail: the embedding lookup of an out-of-range id gives NaN
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the target's vocabulary (0..{vocab - 1}); "
+                             "is the tokenizer the target's own?")
     longest = max(len(p) for p in prompts)
-    width = max_prompt_len or bucket(longest)
+    width = max_prompt_len or prompt_width(longest, settings.max_new_tokens, target_config.max_position_embeddings)
     if longest > width:
         raise ValueError(f"a prompt has {longest} tokens, more than max_prompt_len={width}")
     slots = width + settings.max_new_tokens + proposer.block_size
-    if slots > target_config.max_position_embeddings + proposer.block_size:
-        raise ValueError(
-            f"prompt ({longest} tokens, padded to {width}) plus max_new_tokens ({settings.max_new_tokens}) exceeds "
-            f"the target's max_position_embeddings ({target_config.max_position_embeddings})"
-        )
     tokens = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p

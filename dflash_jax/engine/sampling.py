@@ -10,6 +10,7 @@ exactly as the target's own samples.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
@@ -25,6 +26,8 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
+        if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
+            raise ValueError(f"temperature and top_p must be finite numbers, got {self.temperature}, {self.top_p}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

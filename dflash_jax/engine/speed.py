@@ -44,7 +44,7 @@ import numpy as np
 from dflash_jax.checkpoints.hf_target import abstract_target_params
 from dflash_jax.checkpoints.official_draft import abstract_draft_params
 from dflash_jax.engine.generate import (
-    DecodeSettings, GenerationResult, bucket, compiled_functions, decode_round, generate,
+    DecodeSettings, GenerationResult, compiled_functions, decode_round, generate, prompt_width,
 )
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
 from dflash_jax.engine.sampling import SamplingConfig
@@ -302,7 +302,7 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
     dtype, block, b = s.dtype, s.block_size, s.batch
     target = TargetModel(tc, dtype)
     settings = DecodeSettings(max_new_tokens=s.new_tokens)
-    width = bucket(s.context)
+    width = prompt_width(s.context, s.new_tokens, tc.max_position_embeddings)
     tokens = np.zeros((b, width), np.int32)
     tokens[:, : s.context] = np.asarray(prompts, np.int32)
     lengths = np.full((b,), s.context, np.int32)
@@ -466,7 +466,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
                               seed=s.seed, dtype=s.dtype)
     ar_warm = run_ar()
     reference_tokens = ar_warm.tokens
-    width = bucket(s.context) + s.new_tokens + s.block_size
+    width = prompt_width(s.context, s.new_tokens, tc.max_position_embeddings) + s.new_tokens + s.block_size
     reference, errors = plant_errors(prompts, reference_tokens, s.tau, s.block_size, width)
     oracle = OracleProposer(s.block_size, tc.vocab_size)
     ostate = oracle.init(jnp.asarray(reference), jnp.asarray(errors))

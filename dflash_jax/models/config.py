@@ -35,8 +35,11 @@ class RopeConfig:
 def parse_rope(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
     """Read RoPE settings from either the 4.x layout (top-level ``rope_theta``/``rope_scaling``) or the 5.x
     layout (``rope_parameters``), since released checkpoints and freshly saved ones differ."""
-    params = dict(cfg.get("rope_parameters") or {})
+    params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{source}: {key} must be an object or null, got {value!r}")
     merged: dict[str, Any] = {}
     if "rope_theta" in cfg:
         merged["rope_theta"] = cfg["rope_theta"]
@@ -157,6 +160,10 @@ class TargetConfig:
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
         if cfg.get("use_sliding_window"):
             raise ConfigError(f"{source}: use_sliding_window=true is not supported for target models")
+        if model_type == "mistral" and cfg.get("sliding_window") is not None:
+            # Mistral applies its window whenever the field is set (Qwen gate it behind use_sliding_window).
+            raise ConfigError(f"{source}: Mistral sliding_window={cfg['sliding_window']} is not supported "
+                              "(set it to null only if the model was trained without a window)")
         if int(cfg.get("pretraining_tp", 1) or 1) != 1:
             raise ConfigError(f"{source}: pretraining_tp != 1 is not supported")
         hidden = require(cfg, "hidden_size", source)
@@ -187,7 +194,8 @@ class TargetConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=parse_rope(cfg, source),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=require(cfg, "max_position_embeddings", source)
+            if "max_position_embeddings" in cfg else 4096,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v bias and no o bias; LLaMA/Qwen3 use attention_bias for all four.
             qkv_bias=True if model_type == "qwen2" else attention_bias,

@@ -124,7 +124,8 @@ class DraftConfig:
             layer_types=layer_types,
             sliding_window=int(window) if window else None,
             attention_bias=bool(cfg.get("attention_bias", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+            max_position_embeddings=require(cfg, "max_position_embeddings", source)
+            if "max_position_embeddings" in cfg else 40960,
             input_embedding_scale=float(dflash("input_embedding_scale", 1.0)),
             output_multiplier=float(dflash("output_multiplier", 1.0)),
             final_logit_softcapping=float(cap) if cap else None,
