@@ -179,9 +179,11 @@ def check_output(src: Path, dst: Path, force: bool) -> None:
 
 
 def copy_extras(src_dir: Path, dst_dir: Path) -> list[str]:
-    """Copy the tokenizer/generation files that exist in ``src_dir``; returns their names."""
+    """Copy the tokenizer/generation files and modeling code that exist in ``src_dir``; returns their names."""
     copied = []
-    for name in EXTRA_FILES:
+    # *.py: the modeling code that trust_remote_code checkpoints (the official drafts) ship with their weights.
+    names = list(EXTRA_FILES) + sorted(p.name for p in src_dir.glob("*.py")) if src_dir.is_dir() else []
+    for name in names:
         f = src_dir / name
         if f.is_file():
             dst_dir.mkdir(parents=True, exist_ok=True)
@@ -206,7 +208,9 @@ def to_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Namespa
         from dflash_jax.checkpoints.official_draft import load_draft
 
         config, params = load_draft(src, dtype=dtype, progress=args.progress)
-        config_dict = config.to_official_dict()
+        # Keep the fields we do not model (auto_map, transformers_version, ...) for the way back.
+        original = _read_json(src / "config.json")
+        config_dict = {**original, **config.to_official_dict()}
     else:
         from dflash_jax.checkpoints.hf_target import load_target
 
@@ -227,7 +231,7 @@ def from_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Names
     if kind == "draft":
         from dflash_jax.checkpoints.official_draft import save_draft
 
-        save_draft(config, params, out)
+        save_draft(config, params, out, extra_config=orbax_io.read_meta(src)["config"])
     else:
         from dflash_jax.checkpoints.hf_target import save_target
 

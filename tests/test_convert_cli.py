@@ -256,3 +256,21 @@ def test_help_explains_every_flag(capsys):
     parser = build_parser()
     for action in parser._actions:
         assert action.help, action.dest
+
+
+def test_draft_round_trip_keeps_remote_code_config_and_files(tmp_path, capsys):
+    """Official drafts load in their reference code through trust_remote_code: the exported directory keeps
+    ``auto_map`` (and other fields we do not model) and the modeling ``*.py`` next to the weights."""
+    src = tmp_path / "official"
+    cfg = official_config(auto_map={"AutoModel": "dflash.DFlashDraftModel"}, transformers_version="4.57.1")
+    write_official_draft(src, cfg, seed=9)
+    (src / "dflash.py").write_text("# modeling code shipped with the checkpoint\n")
+    assert run(capsys, "--from", src, "--to", tmp_path / "orbax")[0] == 0
+    assert run(capsys, "--from", tmp_path / "orbax", "--to", tmp_path / "back")[0] == 0
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert back["transformers_version"] == "4.57.1"
+    assert back["dflash_config"] == cfg["dflash_config"] and back["architectures"] == ["DFlashDraftModel"]
+    assert (tmp_path / "back" / "dflash.py").read_text() == (src / "dflash.py").read_text()
+    assert DraftConfig.from_json(tmp_path / "back") == DraftConfig.from_json(src)
+    assert_tensors_bit_exact(read_tensors(src), read_tensors(tmp_path / "back"))

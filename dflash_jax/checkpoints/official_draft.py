@@ -85,13 +85,20 @@ def load_draft(path: str | Path, dtype: Any = None, progress: bool = False) -> t
     return config, params
 
 
-def save_draft(config: DraftConfig, params: dict, out_dir: str | Path, dtype: Any = None) -> Path:
-    """Export to the official layout; ``dtype`` (e.g. ``"bfloat16"``) casts on the way out."""
+def save_draft(config: DraftConfig, params: dict, out_dir: str | Path, dtype: Any = None,
+               extra_config: dict | None = None) -> Path:
+    """Export to the official layout; ``dtype`` (e.g. ``"bfloat16"``) casts on the way out.
+
+    ``extra_config`` holds fields of the original ``config.json`` this project does not model (``auto_map``
+    for ``trust_remote_code`` loading, ``transformers_version``, ...); they are kept, and every field the
+    draft is computed from is written from ``config``."""
     out_dir = Path(out_dir)
     dtype = resolve_dtype(dtype) if dtype is not None else None
     tensors = params_to_tensors(params, draft_key_of, dtype=dtype)
     save_tensors(tensors, out_dir)
-    cfg = config.to_official_dict()
+    official = config.to_official_dict()
+    cfg = {**(extra_config or {}), **official}
+    cfg["dflash_config"] = {**((extra_config or {}).get("dflash_config") or {}), **official["dflash_config"]}
     cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return out_dir
