@@ -78,12 +78,17 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         return apply_rope(k, positions, rope_inv_freq(cfg.rope, cfg.head_dim)), v
 
-    def __call__(self, h, block_positions, ctx_keys, ctx_values, ctx_mask, blk_mask):
-        """``ctx_keys/values [B, KV, S, D]`` are already roped; masks are ``[B, T, S]`` and ``[B, T, T]``."""
+    def queries(self, h: jax.Array, positions: jax.Array) -> jax.Array:
+        """Roped, normed queries ``[B, T, heads, head_dim]`` of the block tokens (inference and training)."""
         cfg = self.config
         b, t, _ = h.shape
         q = self.q_norm(self.q_proj(h).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))
-        q = apply_rope(q, block_positions, rope_inv_freq(cfg.rope, cfg.head_dim))
+        return apply_rope(q, positions, rope_inv_freq(cfg.rope, cfg.head_dim))
+
+    def __call__(self, h, block_positions, ctx_keys, ctx_values, ctx_mask, blk_mask):
+        """``ctx_keys/values [B, KV, S, D]`` are already roped; masks are ``[B, T, S]`` and ``[B, T, T]``."""
+        b, t, _ = h.shape
+        q = self.queries(h, block_positions)
         k_blk, v_blk = self.keys_values(h, block_positions)
         k_blk, v_blk = to_cache_layout(k_blk), to_cache_layout(v_blk)
         out = attention(q, [(ctx_keys, ctx_values, ctx_mask), (k_blk, v_blk, blk_mask)])

@@ -1,0 +1,83 @@
+"""Anchor sampling and packed-block construction for DFlash training (SPEC section 6).
+
+Training a draft block by block would need one draft forward per anchor. Instead every training sequence
+carries ``A`` anchors drawn anew at each step; each anchor ``a`` becomes a block ``[token[a], mask x (B-1)]``
+at positions ``a .. a+B-1`` whose block position ``k`` is trained to predict ``token[a+k]``. Everything here is
+a pure, jittable function of fixed-shape arrays (``num_anchors`` and ``block_size`` are static), so that the
+sampling runs inside the jitted train step with no host round trip and no Python loop over anchors.
+
+Conventions: anchors come back sorted ascending with the valid ones first; invalid (padding) anchors sit at
+position 0 with ``valid = False`` and carry no labels.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _batched(loss_mask: jax.Array, lengths) -> tuple[jax.Array, jax.Array]:
+    loss_mask = jnp.asarray(loss_mask)
+    if loss_mask.ndim == 1:
+        loss_mask = loss_mask[None]
+    lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32).reshape(-1), loss_mask.shape[:1])
+    return loss_mask.astype(bool), lengths
+
+
+def eligible_anchors(loss_mask: jax.Array, lengths) -> jax.Array:
+    """``[N, L]`` bool: position ``a`` may be an anchor iff ``a + 1 < length`` and ``loss_mask[a + 1]`` (the
+    first predicted token is a trained one)."""
+    loss_mask, lengths = _batched(loss_mask, lengths)
+    n, length = loss_mask.shape
+    next_mask = jnp.concatenate([loss_mask[:, 1:], jnp.zeros((n, 1), bool)], axis=1)
+    pos = jnp.arange(length)[None]
+    return next_mask & (pos + 1 < lengths[:, None])
+
+
+def sample_anchors(key: jax.Array, loss_mask: jax.Array, lengths, num_anchors: int) -> tuple[jax.Array, jax.Array]:
+    """Per sequence, up to ``num_anchors`` DISTINCT uniformly random eligible positions (``eligible_anchors``).
+
+    ``loss_mask`` is ``[L]`` or ``[N, L]``; ``lengths`` a scalar or ``[N]``. Returns ``anchors [N, A]`` int32
+    (ascending, valid first) and ``valid [N, A]`` bool. With fewer eligible positions than ``A`` all of them
+    are taken and the rest are invalid. Sampling without replacement = the top ``A`` of i.i.d. uniform keys
+    over the eligible positions (ineligible ones get key -1 and are never chosen ahead of an eligible one).
+    """
+    elig = eligible_anchors(loss_mask, lengths)
+    n, length = elig.shape
+    if num_anchors > length:  # top_k needs k <= size: pad with never-eligible positions
+        elig = jnp.pad(elig, ((0, 0), (0, num_anchors - length)))
+    scores = jnp.where(elig, jax.random.uniform(key, elig.shape), -1.0)
+    top, idx = jax.lax.top_k(scores, num_anchors)
+    valid = top >= 0.0
+    # Sort: valid anchors ascending first, then the invalid ones (reset to position 0).
+    order = jnp.argsort(jnp.where(valid, idx, elig.shape[1] + idx), axis=1)
+    idx = jnp.take_along_axis(idx, order, axis=1)
+    valid = jnp.take_along_axis(valid, order, axis=1)
+    return jnp.where(valid, idx, 0).astype(jnp.int32), valid
+
+
+def block_labels(tokens: jax.Array, loss_mask: jax.Array, lengths, anchors: jax.Array, valid: jax.Array,
+                 block_size: int, *, mask_token_id: int):
+    """The packed blocks and their labels.
+
+    ``tokens, loss_mask [N, L]`` (or ``[L]``), ``anchors, valid [N, A]``. Returns ``block_tokens [N, A, B]``
+    (``[token[a], mask_token_id x (B-1)]``), ``block_positions [N, A, B]`` (``a + k``), ``labels [N, A, B]``
+    (``token[a+k]``, 0 where out of range) and ``label_mask [N, A, B]``: true only for ``k >= 1``, a valid
+    anchor, ``a + k < length`` and ``loss_mask[a + k]``.
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    loss_mask, lengths = _batched(loss_mask, lengths)
+    length = tokens.shape[1]
+    k = jnp.arange(block_size)
+    positions = anchors[..., None].astype(jnp.int32) + k  # [N, A, B]
+    gather_at = jnp.minimum(positions, length - 1)
+    take = jax.vmap(lambda row, idx: row[idx])
+    labels = take(tokens, gather_at)
+    in_range = positions < jnp.minimum(lengths, length)[:, None, None]
+    label_mask = valid[..., None] & (k >= 1) & in_range & take(loss_mask, gather_at)
+    labels = jnp.where(label_mask, labels, 0).astype(jnp.int32)
+    first = take(tokens, anchors.astype(jnp.int32))  # [N, A]
+    block_tokens = jnp.where(k == 0, first[..., None], mask_token_id).astype(jnp.int32)
+    return block_tokens, positions, labels, label_mask
