@@ -113,3 +113,16 @@ def test_stream_waits_for_complete_characters():
     for n in (2, 4, len(ids)):
         stream([ids[:n]])
     assert out.getvalue() == "日本"
+
+
+def test_generate_from_orbax_target_and_draft(pair, tmp_path, capsys):
+    """--target and --ckpt may be Orbax checkpoints made by `convert` (the tokenizer travels in hf_extra/)."""
+    target, draft = pair
+    assert main(["convert", "--from", str(target), "--to", str(tmp_path / "t"), "--no-progress"]) == 0
+    assert main(["convert", "--from", str(draft), "--to", str(tmp_path / "d"), "--no-progress"]) == 0
+    capsys.readouterr()
+    argv = ["--prompt", "hello", "--max-new-tokens", "10"]
+    from_orbax = run_json(capsys, ["--target", str(tmp_path / "t"), "--ckpt", str(tmp_path / "d")] + argv)
+    from_hf = run_json(capsys, ["--target", str(target), "--ckpt", str(draft)] + argv)
+    assert from_orbax["results"][0]["tokens"] == from_hf["results"][0]["tokens"]
+    assert from_orbax["results"][0]["text"] == from_hf["results"][0]["text"]
