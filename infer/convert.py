@@ -29,7 +29,7 @@ from dflash_jax.checkpoints import orbax_io
 from dflash_jax.checkpoints.loading import restore_orbax
 from dflash_jax.checkpoints.safetensors_io import CheckpointError
 from dflash_jax.models.config import ConfigError
-from infer.cli import Parser, UsageError, run_cli
+from infer.cli import Parser, run_cli
 
 PROG = "python -m infer convert"
 DTYPE_CHOICES = ("keep", "float32", "bfloat16")

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from dflash_jax.checkpoints import orbax_io
@@ -100,7 +99,3 @@ def load_tokenizer(path: str | Path):
     except Exception as e:  # transformers raises many types (JSON, protobuf, OS) for a broken tokenizer
         raise CheckpointError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
 
-
-def cast(params: Any, dtype: Any) -> Any:
-    dtype = resolve_dtype(dtype)
-    return jax.tree.map(lambda a: a.astype(dtype), params)

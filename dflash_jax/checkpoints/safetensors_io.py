@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -215,6 +215,3 @@ def save_tensors(
     )
     return paths
 
-
-def iter_keys(paths: Iterable[tuple[str, ...]], key_of: Callable[[tuple[str, ...]], str]) -> list[str]:
-    return [key_of(p) for p in paths]

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import jax.numpy as jnp
 
 from dflash_jax.checkpoints.hf_target import resolve_dtype
-from dflash_jax.engine.generate import DecodeSettings, GenerationResult, generate, prompt_width
+from dflash_jax.engine.generate import DecodeSettings, GenerationResult, cache_slots, generate, prompt_width
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.models.config import TargetConfig, read_json_object
@@ -66,8 +66,8 @@ class Decoder:
             return generate(self.target_config, self.target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)
         proposer = DFlashProposer(self.draft_config, self.block_size, sampling, self.dtype)
-        width = prompt_width(max(len(p) for p in prompts), max_new_tokens, self.target_config.max_position_embeddings)
-        slots = width + max_new_tokens + self.block_size
+        slots = cache_slots(max(len(p) for p in prompts), max_new_tokens, self.block_size,
+                            self.target_config.max_position_embeddings)
         inputs = proposer.init(
             self.draft_params, shared_head(self.target_params, self.target_config.tie_word_embeddings),
             len(prompts), slots,

@@ -211,6 +211,12 @@ def prompt_width(longest: int, max_new_tokens: int, max_positions: int) -> int:
     return max(longest, min(bucket(longest), max_positions - max_new_tokens))
 
 
+def cache_slots(longest: int, max_new_tokens: int, block_size: int, max_positions: int) -> int:
+    """Slots of the target and draft caches: the padded prompt, every new token, and one block of
+    speculation past the last committed token."""
+    return prompt_width(longest, max_new_tokens, max_positions) + max_new_tokens + block_size
+
+
 def bucket(n: int, smallest: int = 16) -> int:
     """Padded prompt width: the next power of two (at least ``smallest``). Every distinct width is a new
     compilation (seconds on CPU, much more for an 8B model on an accelerator), while padding only costs
@@ -230,12 +236,12 @@ def generate(
     settings: DecodeSettings,
     seed: int = 0,
     dtype: Any = jnp.float32,
-    max_prompt_len: int | None = None,
     on_tokens: Callable[[list[list[int]]], None] | None = None,
     chunk_rounds: int = 8,
 ) -> GenerationResult:
     """Generate for a batch of token-id prompts of any lengths. Prompts are right-padded to a power of two
-    (or to ``max_prompt_len``) so that nearby lengths share one compiled program.
+    (``prompt_width``) so that nearby lengths share one compiled program; a proposer's caches must have
+    ``cache_slots`` slots.
 
     With ``on_tokens`` the loop runs ``chunk_rounds`` rounds at a time and the callback receives every row's
     tokens so far after each chunk (streaming); otherwise the whole decode is one device call.
@@ -249,10 +255,9 @@ def generate(
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the target's vocabulary (0..{vocab - 1}); "
                              "is the tokenizer the target's own?")
     longest = max(len(p) for p in prompts)
-    width = max_prompt_len or prompt_width(longest, settings.max_new_tokens, target_config.max_position_embeddings)
-    if longest > width:
-        raise ValueError(f"a prompt has {longest} tokens, more than max_prompt_len={width}")
-    slots = width + settings.max_new_tokens + proposer.block_size
+    max_positions = target_config.max_position_embeddings
+    width = prompt_width(longest, settings.max_new_tokens, max_positions)
+    slots = cache_slots(longest, settings.max_new_tokens, proposer.block_size, max_positions)
     tokens = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p

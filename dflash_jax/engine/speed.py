@@ -44,7 +44,7 @@ import numpy as np
 from dflash_jax.checkpoints.hf_target import abstract_target_params
 from dflash_jax.checkpoints.official_draft import abstract_draft_params
 from dflash_jax.engine.generate import (
-    DecodeSettings, GenerationResult, compiled_functions, decode_round, generate, prompt_width,
+    DecodeSettings, GenerationResult, compiled_functions, decode_round, generate, prompt_width, cache_slots,
 )
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
 from dflash_jax.engine.sampling import SamplingConfig
@@ -310,12 +310,13 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
 
     # Caches filled by real prefills, with the slot counts generate() uses for each mode.
     prop = DFlashProposer(dc, block, SamplingConfig(), dtype)
-    slots = width + s.new_tokens + block
+    slots = cache_slots(s.context, s.new_tokens, block, tc.max_position_embeddings)
     consts, pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), b, slots)
     pre, _ = compiled_functions(tc, prop, settings, slots, dtype)
     state0 = jax.block_until_ready(pre(tp, consts, pstate, tokens, lengths, key))
     ar_prop = NoProposer()
-    ar_pre, _ = compiled_functions(tc, ar_prop, settings, width + s.new_tokens + 1, dtype)
+    ar_pre, _ = compiled_functions(tc, ar_prop, settings,
+                                   cache_slots(s.context, s.new_tokens, 1, tc.max_position_embeddings), dtype)
     ar_state0 = jax.block_until_ready(ar_pre(tp, *ar_prop.init(), tokens, lengths, key))
     start = state0.start  # [b] = context: the first anchor's position
 
@@ -466,7 +467,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
                               seed=s.seed, dtype=s.dtype)
     ar_warm = run_ar()
     reference_tokens = ar_warm.tokens
-    width = prompt_width(s.context, s.new_tokens, tc.max_position_embeddings) + s.new_tokens + s.block_size
+    width = cache_slots(s.context, s.new_tokens, s.block_size, tc.max_position_embeddings)
     reference, errors = plant_errors(prompts, reference_tokens, s.tau, s.block_size, width)
     oracle = OracleProposer(s.block_size, tc.vocab_size)
     ostate = oracle.init(jnp.asarray(reference), jnp.asarray(errors))

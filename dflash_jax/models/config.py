@@ -143,10 +143,6 @@ class TargetConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "config") -> "TargetConfig":
         model_type = cfg.get("model_type")

@@ -136,7 +136,8 @@ class TargetModel(nn.Module):
             if new_kv is not None:
                 new_keys.append(new_kv[0])
                 new_values.append(new_kv[1])
-            features[i] = x
+            if i in feature_layers:
+                features[i] = x
         feats = jnp.concatenate([features[i] for i in feature_layers], axis=-1) if feature_layers else None
         logits = None
         if not skip_logits:
@@ -152,11 +153,3 @@ class TargetModel(nn.Module):
 def init_cache(config: TargetConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
     return KVCache.create(config.num_hidden_layers, batch, slots, config.num_key_value_heads, config.head_dim, dtype)
 
-
-def check_feature_layers(config: TargetConfig, layers: Sequence[int]) -> tuple[int, ...]:
-    for i in layers:
-        if not 0 <= int(i) < config.num_hidden_layers:
-            raise ValueError(
-                f"feature layer {i} is out of range for a target with {config.num_hidden_layers} layers"
-            )
-    return tuple(int(i) for i in layers)
