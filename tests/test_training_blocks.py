@@ -27,7 +27,7 @@ LENGTHS = [24, 17]
 
 # ----------------------------------------------------------------------------------------------- anchors
 def brute_eligible(loss_mask, length):
-    return {a for a in range(len(loss_mask)) if a + 1 < length and loss_mask[a + 1] == 1}
+    return {a for a in range(len(loss_mask)) if a + 1 < length and loss_mask[a] == 1 and loss_mask[a + 1] == 1}
 
 
 def random_masks(rng, rows, length, lengths, prompt_max=8):
@@ -43,7 +43,7 @@ def test_sample_anchors_distinct_eligible_and_take_all():
     lengths = np.array([24, 17, 9, 24])
     masks = random_masks(rng, 4, L, lengths)
     masks[2] = 0
-    masks[2, [3, 5, 8]] = 1  # length 9: exactly 3 eligible anchors {2, 4, 7} < A
+    masks[2, [2, 3, 5, 6, 7, 8]] = 1  # length 9: exactly 4 eligible anchors {2, 5, 6, 7} < A
     sample = jax.jit(sample_anchors, static_argnums=3)
     seen = []
     for seed in range(6):
@@ -59,7 +59,7 @@ def test_sample_anchors_distinct_eligible_and_take_all():
             assert list(chosen) == sorted(chosen)
             if len(elig) <= A:
                 assert set(chosen.tolist()) == elig, "fewer eligible than num_anchors: take them all"
-        assert set(anchors[2][valid[2]].tolist()) == {2, 4, 7}
+        assert set(anchors[2][valid[2]].tolist()) == {2, 5, 6, 7}
         seen.append(tuple(anchors[0]))
     assert len(set(seen)) > 1, "different keys must give different draws"
     np.testing.assert_array_equal(
@@ -72,7 +72,7 @@ def test_sample_anchors_single_sequence_and_more_anchors_than_positions():
     mask = np.array([0, 0, 1, 1, 1, 0], np.int32)
     anchors, valid = sample_anchors(jax.random.key(1), mask, 5, num_anchors=8)
     assert anchors.shape == (1, 8)
-    assert sorted(np.asarray(anchors)[np.asarray(valid)].tolist()) == [1, 2, 3]
+    assert sorted(np.asarray(anchors)[np.asarray(valid)].tolist()) == [2, 3]
     # Roughly uniform: over many keys each of 10 eligible positions is picked ~ A/10 of the time.
     mask = np.ones(11, np.int32)
     draws = jax.vmap(lambda k: sample_anchors(k, mask, 11, 3)[0][0])(jax.random.split(jax.random.key(2), 2000))

@@ -46,10 +46,12 @@ def target_key_of(prefix: str):
     return key_of
 
 
-def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False) -> tuple[TargetConfig, dict]:
+def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False,
+                place=None) -> tuple[TargetConfig, dict]:
     """Load a Hugging Face LLaMA/Qwen2/Qwen3 directory into ``(config, params)``.
 
     Keys may carry the ``model.`` prefix (``*ForCausalLM`` checkpoints) or not (bare ``*Model``).
+    ``place(path, host_array)`` puts each tensor on the devices (see ``safetensors_io.load_params``).
     """
     path = Path(path)
     if not path.is_dir():
@@ -59,7 +61,7 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
     source = SafetensorsDir(path)
     prefix = "model." if any(k.startswith("model.") for k in source.keys()) else ""
     abstract = abstract_target_params(config, dtype)
-    params = load_params(source, abstract, target_key_of(prefix), dtype=dtype, progress=progress)
+    params = load_params(source, abstract, target_key_of(prefix), dtype=dtype, progress=progress, place=place)
     return config, params
 
 

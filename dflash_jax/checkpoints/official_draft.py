@@ -48,9 +48,11 @@ def abstract_draft_params(config: DraftConfig, dtype: Any = jnp.float32) -> dict
     return jax.eval_shape(init)["params"]
 
 
-def init_draft_params(config: DraftConfig, seed: int = 0, dtype: Any = jnp.float32) -> dict:
-    """Random draft params: norms at one, biases at zero, linear kernels N(0, 1/fan_in). The starting point
-    of training. Drawn with NumPy on the host: op-by-op JAX initialisation is seconds even for tiny models."""
+def init_draft_params(config: DraftConfig, seed: int = 0, dtype: Any = jnp.float32, std: float | None = None) -> dict:
+    """Random draft params: norms at one, biases at zero, linear kernels N(0, std^2), by default
+    std = 1/sqrt(fan_in). ``std=0.02`` is what the official (Hugging Face Qwen3) code initialises a new draft
+    with (``initializer_range``), the trainer's starting point. Drawn with NumPy on the host: op-by-op JAX
+    initialisation is seconds even for tiny models."""
     rng = np.random.default_rng(seed)
 
     def init(path, leaf):
@@ -60,7 +62,7 @@ def init_draft_params(config: DraftConfig, seed: int = 0, dtype: Any = jnp.float
         elif name == "bias":
             value = np.zeros(leaf.shape, np.float32)
         else:
-            value = rng.standard_normal(leaf.shape, np.float32) * leaf.shape[0] ** -0.5
+            value = rng.standard_normal(leaf.shape, np.float32) * (leaf.shape[0] ** -0.5 if std is None else std)
         return jnp.asarray(value, leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(init, abstract_draft_params(config, dtype))

@@ -132,11 +132,14 @@ def load_params(
     key_of: Callable[[tuple[str, ...]], str],
     dtype: Any = None,
     progress: bool = False,
+    place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None,
 ) -> dict[str, Any]:
     """Fill the tree of ``abstract_params`` (shapes from ``jax.eval_shape``) from ``source``.
 
     ``key_of(path)`` names the stored key of a param path. Every param must be present with the right
     shape; the error names the key, the file and both shapes. ``dtype=None`` keeps the stored dtype.
+    ``place(path, host_array)`` makes the device array (default: one array on the default device); a sharded
+    loader passes one that hands each device only its slice.
     """
     flat = flatten(abstract_params)
     out: dict[tuple[str, ...], Any] = {}
@@ -159,7 +162,8 @@ def load_params(
         arr = source.get(key)
         if transpose:
             arr = np.ascontiguousarray(arr.T)
-        out[path] = jax.numpy.asarray(arr, dtype=dtype or arr.dtype)
+        arr = arr.astype(dtype or arr.dtype, copy=False)
+        out[path] = place(path, arr) if place is not None else jax.numpy.asarray(arr)
     if missing:
         shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"{source.path}: missing {len(missing)} tensor(s): {shown}")

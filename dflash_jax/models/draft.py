@@ -146,7 +146,7 @@ class DraftModel(nn.Module):
         cfg = self.config
         x = self.norm(x)
         if shared.head_kernel is None:
-            logits = jnp.einsum("bth,vh->btv", x, shared.embedding.astype(x.dtype))
+            logits = jnp.einsum("...h,vh->...v", x, shared.embedding.astype(x.dtype))
         else:
             logits = x @ shared.head_kernel.astype(x.dtype)
         if cfg.output_multiplier != 1.0:

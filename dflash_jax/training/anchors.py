@@ -25,13 +25,14 @@ def _batched(loss_mask: jax.Array, lengths) -> tuple[jax.Array, jax.Array]:
 
 
 def eligible_anchors(loss_mask: jax.Array, lengths) -> jax.Array:
-    """``[N, L]`` bool: position ``a`` may be an anchor iff ``a + 1 < length`` and ``loss_mask[a + 1]`` (the
-    first predicted token is a trained one)."""
+    """``[N, L]`` bool: position ``a`` may be an anchor iff ``a + 1 < length``, ``loss_mask[a + 1]`` (the
+    first predicted token is a trained one) and ``loss_mask[a]``: at inference the anchor is always a token
+    the target generated, never the last prompt token (the rule of the most used public trainer)."""
     loss_mask, lengths = _batched(loss_mask, lengths)
     n, length = loss_mask.shape
     next_mask = jnp.concatenate([loss_mask[:, 1:], jnp.zeros((n, 1), bool)], axis=1)
     pos = jnp.arange(length)[None]
-    return next_mask & (pos + 1 < lengths[:, None])
+    return loss_mask & next_mask & (pos + 1 < lengths[:, None])
 
 
 def sample_anchors(key: jax.Array, loss_mask: jax.Array, lengths, num_anchors: int) -> tuple[jax.Array, jax.Array]:

@@ -77,19 +77,29 @@ def packed_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_mask, blk_mask):
     return out.reshape(n, a, b, hq, d).astype(q.dtype)
 
 
-def _packed_forward(module: DraftModel, target_features, block_tokens, block_positions, anchor_valid, shared):
-    """Runs inside ``model.apply``: the module's own submodules with the packed-block attention."""
-    cfg = module.config
-    n, a, b = block_tokens.shape
-    length = target_features.shape[1]
+def _context_kv(module: DraftModel, target_features):
+    """Every layer's context keys/values ``[N, KV, L, D]`` (roped at their positions), computed ONCE per
+    sequence and shared by all of its blocks."""
+    n, length = target_features.shape[:2]
     ctx = module.fuse(target_features)  # [N, L, H], shared by every layer
     ctx_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (n, length))
+    out = []
+    for layer in module.layers:
+        k_ctx, v_ctx = layer.context_kv(ctx, ctx_pos)
+        out.append((to_cache_layout(k_ctx), to_cache_layout(v_ctx)))
+    return tuple(out)
+
+
+def _block_hidden(module: DraftModel, context_kv, block_tokens, block_positions, anchor_valid, shared):
+    """The draft layers over packed blocks ``[N, A, B]``; returns the last hidden states ``[N, A, B, H]``
+    (before the final norm)."""
+    cfg = module.config
+    n, a, b = block_tokens.shape
+    length = context_kv[0][0].shape[2]
     flat_pos = block_positions.reshape(n, a * b)
     x = module.embed_block(block_tokens.reshape(n, a * b), shared)  # [N, A*B, H]
-    for layer in module.layers:
+    for layer, (k_ctx, v_ctx) in zip(module.layers, context_kv):
         attn = layer.self_attn
-        k_ctx, v_ctx = layer.context_kv(ctx, ctx_pos)
-        k_ctx, v_ctx = to_cache_layout(k_ctx), to_cache_layout(v_ctx)
         h = layer.input_layernorm(x)
         # DraftAttention's own projections, with the packed attention in place of `attention`.
         q = attn.queries(h, flat_pos)
@@ -103,7 +113,14 @@ def _packed_forward(module: DraftModel, target_features, block_tokens, block_pos
         )
         x = x + attn.o_proj(out.reshape(n, a * b, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return module.logits(x, shared).reshape(n, a, b, -1)
+    return x.reshape(n, a, b, -1)
+
+
+def _packed_forward(module: DraftModel, target_features, block_tokens, block_positions, anchor_valid, shared):
+    """Runs inside ``model.apply``: the module's own submodules with the packed-block attention."""
+    context_kv = _context_kv(module, target_features)
+    x = _block_hidden(module, context_kv, block_tokens, block_positions, anchor_valid, shared)
+    return module.logits(x, shared)
 
 
 def frozen(shared: SharedHead) -> SharedHead:

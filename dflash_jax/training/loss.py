@@ -8,6 +8,8 @@ greedy acceptance-length estimate (1 + the leading run of correct predictions, t
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,34 +34,81 @@ def decay_weights(block_size: int, gamma: float) -> np.ndarray:
     return w.astype(np.float32)
 
 
-def dflash_loss(logits: jax.Array, labels: jax.Array, label_mask: jax.Array, gamma: float | None = None):
-    """Weighted cross-entropy ``sum(w * ce) / sum(w)`` over valid labels.
+class LossSums(NamedTuple):
+    """Additive pieces of the loss and its metrics. Sums, not means, so that they can be added over chunks
+    of anchors, accumulation micro-steps, devices and processes before the ONE division (SPEC section 6:
+    per-device normalisation made the loss depend on how the batch was split)."""
 
-    ``logits [..., B, V]`` (any dtype; computed in float32), ``labels, label_mask [..., B]``. ``gamma=None``
-    uses ``default_gamma(B)``. Returns ``(loss, metrics)`` with metrics ``accuracy`` (over valid labels),
-    ``accuracy_per_position [B]`` (0 where a position has no labels), ``acceptance_length`` (mean over blocks
-    with a label at k = 1 of 1 + the leading run of correct k = 1, 2, ... predictions) and ``num_labels``.
+    weighted_ce: jax.Array  # sum of w_k * ce over valid labels
+    weight: jax.Array  # sum of w_k over valid labels
+    correct: jax.Array  # [B] correct greedy predictions per block position (0 at the anchor)
+    count: jax.Array  # [B] valid labels per block position
+    accepted: jax.Array  # sum over blocks with a label at k = 1 of (1 + leading run of correct predictions)
+    blocks: jax.Array  # number of such blocks
+
+    @classmethod
+    def zeros(cls, block_size: int) -> "LossSums":
+        z = jnp.zeros((), jnp.float32)
+        return cls(z, z, jnp.zeros((block_size,), jnp.float32), jnp.zeros((block_size,), jnp.float32), z, z)
+
+    def __add__(self, other: "LossSums") -> "LossSums":  # type: ignore[override]
+        return LossSums(*(a + b for a, b in zip(self, other)))
+
+
+def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.Array, gamma: float) -> LossSums:
+    """``LossSums`` of blocks from the logits of their MASK positions only.
+
+    ``draft_logits [..., B-1, V]`` are block positions 1..B-1 (the anchor predicts nothing, so its logits are
+    never computed); ``labels, label_mask [..., B]`` cover the whole block. Cross-entropy in float32.
+    """
+    block = labels.shape[-1]
+    labels_k, mask_k = labels[..., 1:], label_mask[..., 1:].astype(bool)
+    logits = draft_logits.astype(jnp.float32)
+    label_logit = jnp.take_along_axis(logits, labels_k[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    ce = jax.nn.logsumexp(logits, axis=-1) - label_logit
+    w = jnp.where(mask_k, jnp.asarray(decay_weights(block, gamma)[1:]), 0.0)
+    correct = ((jnp.argmax(logits, axis=-1) == labels_k) & mask_k).reshape(-1, block - 1).astype(jnp.float32)
+    mask_f = mask_k.reshape(-1, block - 1).astype(jnp.float32)
+    run = jnp.cumprod(correct, axis=1).sum(1)  # leading run of correct predictions from k = 1
+    has_block = mask_f[:, 0]
+    pad = jnp.zeros((1,), jnp.float32)
+    return LossSums(
+        weighted_ce=jnp.sum(w * ce), weight=jnp.sum(w),
+        correct=jnp.concatenate([pad, correct.sum(0)]), count=jnp.concatenate([pad, mask_f.sum(0)]),
+        accepted=jnp.sum((1.0 + run) * has_block), blocks=has_block.sum(),
+    )
+
+
+def implied_acceptance(accuracy_per_position: jax.Array) -> jax.Array:
+    """``1 + sum_k prod_{j<=k} acc_j`` over the mask positions: the acceptance length the per-position
+    accuracies imply if errors were independent (a cheap training metric that tracks tau, SPEC section 6)."""
+    return 1.0 + jnp.sum(jnp.cumprod(accuracy_per_position[1:]))
+
+
+def loss_and_metrics(sums: LossSums) -> tuple[jax.Array, dict]:
+    """The one division: loss ``sum(w * ce) / sum(w)`` and the metrics, from (globally reduced) sums."""
+    per_pos = sums.correct / jnp.maximum(sums.count, 1.0)
+    loss = sums.weighted_ce / jnp.maximum(sums.weight, 1e-12)
+    metrics = {
+        "loss": loss,
+        "accuracy": sums.correct.sum() / jnp.maximum(sums.count.sum(), 1.0),
+        "accuracy_per_position": per_pos,
+        "acceptance_length": sums.accepted / jnp.maximum(sums.blocks, 1.0),
+        "implied_acceptance_length": implied_acceptance(per_pos),
+        "num_labels": sums.count.sum(),
+    }
+    return loss, metrics
+
+
+def dflash_loss(logits: jax.Array, labels: jax.Array, label_mask: jax.Array, gamma: float | None = None):
+    """Weighted cross-entropy ``sum(w * ce) / sum(w)`` over valid labels, from full block logits.
+
+    ``logits [..., B, V]`` (any dtype; computed in float32; position 0 is ignored), ``labels, label_mask
+    [..., B]``. ``gamma=None`` uses ``default_gamma(B)``. Returns ``(loss, metrics)`` with metrics
+    ``accuracy`` (over valid labels), ``accuracy_per_position [B]`` (0 where a position has no labels),
+    ``acceptance_length`` (mean over blocks with a label at k = 1 of 1 + the leading run of correct k = 1,
+    2, ... predictions), ``implied_acceptance_length`` and ``num_labels``.
     """
     block = logits.shape[-2]
     gamma = default_gamma(block) if gamma is None else gamma
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    ce = -jnp.take_along_axis(logp, labels[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    mask = label_mask.astype(bool)
-    w = jnp.where(mask, jnp.asarray(decay_weights(block, gamma)), 0.0)
-    loss = jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-12)
-
-    correct = (jnp.argmax(logits, axis=-1) == labels) & mask
-    flat_correct = correct.reshape(-1, block).astype(jnp.float32)
-    flat_mask = mask.reshape(-1, block).astype(jnp.float32)
-    per_pos = flat_correct.sum(0) / jnp.maximum(flat_mask.sum(0), 1.0)
-    run = jnp.cumprod(flat_correct[:, 1:], axis=1).sum(1)  # leading correct run from k = 1
-    has_block = flat_mask[:, 1]
-    acceptance = jnp.sum((1.0 + run) * has_block) / jnp.maximum(has_block.sum(), 1.0)
-    metrics = {
-        "loss": loss,
-        "accuracy": flat_correct.sum() / jnp.maximum(flat_mask.sum(), 1.0),
-        "accuracy_per_position": per_pos,
-        "acceptance_length": acceptance,
-        "num_labels": flat_mask.sum(),
-    }
-    return loss, metrics
+    return loss_and_metrics(block_loss_sums(logits[..., 1:, :], labels, label_mask, gamma))

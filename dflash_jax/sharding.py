@@ -1,0 +1,177 @@
+"""The device mesh and the ONE table of sharding rules, shared by training and inference.
+
+Parameters are nested dicts whose paths mirror the Hugging Face names, so sharding is a lookup: a parameter
+path matches a pattern of ``PARAM_RULES`` and gets one *logical* axis name per dimension (``embed``, ``heads``,
+``mlp``, ``vocab`` ...); ``LOGICAL_TO_MESH`` maps logical axes to the mesh axes ``data``, ``fsdp`` and
+``tensor`` (as MaxText's ``logical_axis_rules`` and jax-llm-examples' ``ShardingRules`` do). Target and draft
+use the same table: their layers have the same names.
+
+A dimension that the mesh axis does not divide is replicated instead (tiny test models on 8 devices, a KV
+projection narrower than the tensor axis): sharding only changes where bytes live, never the result.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# (pattern on "/".join(path), logical axis of each dimension). Flax kernels are [in, out].
+PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"embed_tokens/embedding$", ("vocab", "embed")),
+    (r"lm_head/kernel$", ("embed", "vocab")),
+    (r"q_proj/kernel$", ("embed", "heads")),
+    (r"[kv]_proj/kernel$", ("embed", "kv_heads")),
+    (r"q_proj/bias$", ("heads",)),
+    (r"[kv]_proj/bias$", ("kv_heads",)),
+    (r"o_proj/kernel$", ("heads", "embed")),
+    (r"o_proj/bias$", ("embed",)),
+    (r"(gate|up)_proj/kernel$", ("embed", "mlp")),
+    (r"(gate|up)_proj/bias$", ("mlp",)),
+    (r"down_proj/kernel$", ("mlp", "embed")),
+    (r"down_proj/bias$", ("embed",)),
+    (r"(^|/)fc/kernel$", ("features", "embed")),  # the draft's feature fusion [n * H, H]
+    (r"norm/weight$", ("norm",)),  # every RMSNorm (layer norms, q/k norms, final and hidden norms)
+)
+
+LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "features": None,
+    "norm": None,
+    "length": None,
+}
+
+
+def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int | None = None) -> dict[str, int]:
+    """``"data=2,fsdp=4"`` or a mapping -> sizes of all three axes; one axis may be ``-1`` (the rest of the
+    devices). Axes left out have size 1, except that with no spec at all every device goes to ``data``."""
+    num_devices = jax.device_count() if num_devices is None else num_devices
+    if spec is None or spec == "" or spec == {}:
+        return {"data": num_devices, "fsdp": 1, "tensor": 1}
+    if isinstance(spec, str):
+        sizes: dict[str, Any] = {}
+        for part in spec.split(","):
+            name, sep, value = part.strip().partition("=")
+            if not sep:
+                raise ValueError(f"mesh {spec!r}: expected axis=size pairs like 'data=2,fsdp=4', got {part!r}")
+            try:
+                sizes[name.strip()] = int(value)
+            except ValueError:
+                raise ValueError(f"mesh {spec!r}: size of axis {name.strip()!r} must be an integer, got {value!r}") from None
+    else:
+        sizes = dict(spec)
+    unknown = sorted(set(sizes) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"mesh {spec!r}: unknown axis {unknown[0]!r} (axes: {', '.join(MESH_AXES)})")
+    for name, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ValueError(f"mesh {spec!r}: axis {name!r} must be a positive integer or -1, got {size!r}")
+    sizes = {name: sizes.get(name, 1) for name in MESH_AXES}
+    free = [n for n, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh {spec!r}: only one axis may be -1")
+    fixed = int(np.prod([s for s in sizes.values() if s != -1]))
+    if free:
+        if num_devices % fixed:
+            raise ValueError(f"mesh {spec!r}: {num_devices} devices are not divisible by {fixed}")
+        sizes[free[0]] = num_devices // fixed
+    total = int(np.prod(list(sizes.values())))
+    if total != num_devices:
+        shown = ",".join(f"{n}={s}" for n, s in sizes.items())
+        raise ValueError(f"mesh {shown} needs {total} devices, but {num_devices} are available")
+    return sizes
+
+
+def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence[Any] | None = None) -> Mesh:
+    """A mesh with axes (data, fsdp, tensor) over all devices (all processes), with automatic sharding."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = parse_mesh(spec, len(devices))
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+                         devices=devices)
+
+
+def logical_axes(path: str, ndim: int) -> tuple[str | None, ...]:
+    for pattern, axes in PARAM_RULES:
+        if re.search(pattern, path):
+            if len(axes) != ndim:
+                raise ValueError(f"sharding rule {pattern!r} names {len(axes)} axes but {path} has {ndim}")
+            return axes
+    raise ValueError(f"no sharding rule matches parameter {path!r} (add one to dflash_jax.sharding.PARAM_RULES)")
+
+
+def spec_for(shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec of an array with the given logical axes; dims the mesh does not divide replicate."""
+    parts: list[Any] = []
+    used: set[str] = set()
+    for size, logical in zip(shape, axes):
+        mesh_axes = LOGICAL_TO_MESH.get(logical) if logical else None
+        names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+        names = tuple(n for n in names if mesh.shape[n] > 1 and n not in used)
+        if names and size % int(np.prod([mesh.shape[n] for n in names])) == 0:
+            parts.append(names[0] if len(names) == 1 else names)
+            used.update(names)
+        else:
+            parts.append(None)
+    return PartitionSpec(*parts)
+
+
+def _path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def tree_shardings(tree: Any, mesh: Mesh) -> Any:
+    """NamedShardings for a params tree or a whole train state (real or abstract arrays): every leaf that a
+    rule matches (params, and the optimizer's moments, whose paths end like the params') is sharded like its
+    parameter; scalars and the RNG key replicate."""
+    def one(path, leaf):
+        shape, name = np.shape(leaf), _path_str(path)
+        if len(shape) <= 1 and not any(re.search(p, name) for p, _ in PARAM_RULES):
+            return replicated(mesh)
+        return NamedSharding(mesh, spec_for(shape, logical_axes(name, len(shape)), mesh))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading (batch) dimension over data x fsdp, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(LOGICAL_TO_MESH["batch"], *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def place(host_array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array built shard by shard from a host (or memory-mapped) array: each device receives only
+    its slice, so a large checkpoint never needs a full copy per device."""
+    return jax.make_array_from_callback(np.shape(host_array), sharding, lambda index: np.asarray(host_array[index]))
+
+
+def process_batch_slice(global_batch: int) -> slice:
+    """The rows of a global batch that this process loads (processes own contiguous row ranges, in process
+    order, which is how a batch-sharded mesh over all devices lays them out)."""
+    count, index = jax.process_count(), jax.process_index()
+    if global_batch % count:
+        raise ValueError(f"global batch {global_batch} is not divisible by the {count} processes")
+    per = global_batch // count
+    return slice(index * per, (index + 1) * per)
+
+
+def global_batch_from_local(local: Mapping[str, np.ndarray], mesh: Mesh, global_batch: int) -> dict[str, jax.Array]:
+    """Assemble per-process host rows into global batch-sharded arrays."""
+    out = {}
+    for name, array in local.items():
+        sharding = batch_sharding(mesh, np.ndim(array))
+        shape = (global_batch,) + tuple(np.shape(array)[1:])
+        out[name] = jax.make_array_from_process_local_data(sharding, np.asarray(array), shape)
+    return out

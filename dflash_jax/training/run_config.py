@@ -1,0 +1,181 @@
+"""The run configuration of ``python -m train fit``: one YAML file, overridable with ``--set key=value``.
+
+Every key is known in advance (``DEFAULTS``); an unknown key, a wrong type or a value out of range is a
+``ConfigError`` naming the file and the dotted key. Defaults follow SPEC section 6 (AdamW, lr 6e-4, 4% warmup,
+cosine decay, clip 1.0, 512 anchors, 5 draft layers, max length 3072).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from dflash_jax.models.config import ConfigError
+
+REQUIRED = object()
+
+# section -> key -> (default, allowed type(s), help). ``None`` defaults are optional.
+SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
+    "target": {
+        "path": (REQUIRED, (str,), "target model: Hugging Face directory or Orbax checkpoint of this project"),
+        "tokenizer": (None, (str,), "tokenizer directory (default: the target's own)"),
+    },
+    "draft": {
+        "init": (None, (str,), "an existing draft (official directory or Orbax) to fine-tune instead of a new one"),
+        "num_layers": (5, (int,), "draft depth (new drafts)"),
+        "block_size": (16, (int,), "tokens per block: anchor + block_size-1 mask positions"),
+        "target_layer_ids": (None, (list,), "target layers whose features the draft reads (default: spread)"),
+        "mask_token_id": (None, (int,), "the mask token's row of the target embedding (default: the last row)"),
+        "intermediate_size": (None, (int,), "draft MLP width (default: the target's)"),
+        "init_std": (0.02, (float, int), "std of the normal init of new linear weights (HF initializer_range)"),
+    },
+    "data": {
+        "train": (REQUIRED, (str, list), "training JSONL file(s): conversations, prompt/response or text rows"),
+        "max_length": (3072, (int,), "tokens per sequence; longer rows are truncated (counted)"),
+        "use_chat_template": (True, (bool,), "render conversations with the tokenizer's chat template"),
+        "eval_prompts": (None, (str,), "held-out prompt file (.txt/.json/.jsonl) for the engine's real tau"),
+    },
+    "train": {
+        "epochs": (6, (int,), "passes over the data"),
+        "max_steps": (None, (int,), "stop after this many optimizer steps (the schedule still spans epochs)"),
+        "global_batch": (8, (int,), "sequences per optimizer step, over all devices and processes"),
+        "accum_steps": (1, (int,), "gradient-accumulation micro-steps per optimizer step"),
+        "num_anchors": (512, (int,), "anchors (blocks) drawn per sequence at every step"),
+        "anchor_chunk": (64, (int,), "anchors per rematerialised chunk (memory vs speed)"),
+        "gamma": (None, (float, int), "loss decay exp(-(k-1)/gamma) (default: 7 for B=16, 5 for 10, 4 for 8)"),
+        "uniform_loss": (False, (bool,), "ablation: equal weight for every block position"),
+        "learning_rate": (6e-4, (float, int), "peak AdamW learning rate"),
+        "warmup_ratio": (0.04, (float, int), "share of the steps spent warming up linearly"),
+        "min_lr_ratio": (0.0, (float, int), "final learning rate of the cosine decay, relative to the peak"),
+        "weight_decay": (0.0, (float, int), "AdamW decoupled weight decay"),
+        "clip_norm": (1.0, (float, int), "global gradient-norm clip"),
+        "seed": (0, (int,), "seed of the draft init, anchors and data order"),
+        "dtype": ("auto", (str,), "compute dtype: auto (bfloat16 on accelerators, float32 on CPU), float32, bfloat16"),
+    },
+    "mesh": {
+        "data": (-1, (int,), "data-parallel axis size (-1: the remaining devices)"),
+        "fsdp": (1, (int,), "fully-sharded axis: params and optimizer state split over it"),
+        "tensor": (1, (int,), "tensor-parallel axis: heads, MLP and vocabulary split over it"),
+    },
+    "output": {
+        "dir": (REQUIRED, (str,), "run directory: checkpoints/, logs (TensorBoard, metrics.jsonl), export/"),
+        "save_every": (500, (int,), "checkpoint every N steps (and on SIGTERM and at the end)"),
+        "keep": (3, (int,), "checkpoints kept"),
+        "log_every": (10, (int,), "metrics every N steps"),
+        "eval_every": (0, (int,), "real tau through the engine every N steps (0: only at the end)"),
+        "eval_num_prompts": (8, (int,), "held-out prompts per evaluation"),
+        "eval_max_new_tokens": (64, (int,), "tokens generated per evaluation prompt"),
+        "export_dtype": (None, (str,), "dtype of the exported official draft (default: float32)"),
+    },
+}
+
+POSITIVE = {"draft.num_layers", "draft.block_size", "draft.intermediate_size", "data.max_length", "train.epochs",
+            "train.max_steps", "train.global_batch", "train.accum_steps", "train.num_anchors", "train.anchor_chunk",
+            "train.gamma", "train.learning_rate", "train.clip_norm", "output.save_every", "output.keep",
+            "output.log_every", "output.eval_num_prompts", "output.eval_max_new_tokens", "draft.init_std"}
+NON_NEGATIVE = {"train.warmup_ratio", "train.min_lr_ratio", "train.weight_decay", "output.eval_every", "train.seed"}
+
+
+def _type_name(types: tuple[type, ...]) -> str:
+    return " or ".join({"str": "string", "int": "integer", "float": "number", "bool": "boolean",
+                        "list": "list"}[t.__name__] for t in types)
+
+
+def _check_value(dotted: str, value: Any, types: tuple[type, ...], source: str) -> Any:
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if not ok:
+        raise ConfigError(f"{source}: {dotted} must be a {_type_name(types)}, got {value!r}")
+    if isinstance(value, float) and value != value:
+        raise ConfigError(f"{source}: {dotted} must be a finite number, got {value!r}")
+    if dotted in POSITIVE and value <= 0:
+        raise ConfigError(f"{source}: {dotted} must be positive, got {value!r}")
+    if dotted in NON_NEGATIVE and value < 0:
+        raise ConfigError(f"{source}: {dotted} must not be negative, got {value!r}")
+    return value
+
+
+def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str, Any]]:
+    """Validate a loaded YAML mapping and fill in the defaults; returns ``{section: {key: value}}``."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{source}: expected a mapping of sections ({', '.join(SCHEMA)}), got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(SCHEMA) - {"name"})
+    if unknown:
+        raise ConfigError(f"{source}: unknown section {unknown[0]!r} (sections: {', '.join(SCHEMA)})")
+    out: dict[str, dict[str, Any]] = {}
+    for section, keys in SCHEMA.items():
+        given = raw.get(section) or {}
+        if not isinstance(given, Mapping):
+            raise ConfigError(f"{source}: section {section!r} must be a mapping, got {given!r}")
+        bad = sorted(set(given) - set(keys))
+        if bad:
+            raise ConfigError(f"{source}: unknown key {section}.{bad[0]} (known: {', '.join(sorted(keys))})")
+        out[section] = {}
+        for key, (default, types, _) in keys.items():
+            dotted = f"{section}.{key}"
+            value = given.get(key, default)
+            if value is REQUIRED:
+                raise ConfigError(f"{source}: missing required key {dotted}")
+            out[section][key] = None if value is None else _check_value(dotted, value, types, source)
+    train = out["train"]
+    if train["global_batch"] % train["accum_steps"]:
+        raise ConfigError(f"{source}: train.global_batch {train['global_batch']} is not divisible by "
+                          f"train.accum_steps {train['accum_steps']}")
+    if out["train"]["dtype"] not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"{source}: train.dtype must be auto, float32 or bfloat16, got {train['dtype']!r}")
+    if out["draft"]["block_size"] < 2:
+        raise ConfigError(f"{source}: draft.block_size must be at least 2, got {out['draft']['block_size']}")
+    train_files = out["data"]["train"]
+    if isinstance(train_files, list) and (not train_files or not all(isinstance(f, str) for f in train_files)):
+        raise ConfigError(f"{source}: data.train must be a file name or a non-empty list of file names")
+    ids = out["draft"]["target_layer_ids"]
+    if ids is not None and (not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise ConfigError(f"{source}: draft.target_layer_ids must be a non-empty list of integers, got {ids!r}")
+    return out
+
+
+def apply_overrides(raw: dict, overrides: list[str], source: str = "--set") -> dict:
+    """``section.key=value`` overrides (values parsed as YAML: numbers, booleans, lists, null)."""
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        dotted, sep, text = item.partition("=")
+        parts = dotted.strip().split(".")
+        if not sep or len(parts) != 2 or not all(parts):
+            raise ConfigError(f"{source} {item!r}: expected section.key=value, e.g. train.learning_rate=3e-4")
+        section, key = parts
+        if section not in SCHEMA or key not in SCHEMA[section]:
+            raise ConfigError(f"{source} {item!r}: unknown key {dotted.strip()}")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        if not isinstance(raw.get(section), dict):
+            raw[section] = {}
+        raw[section][key] = value
+    return raw
+
+
+def load_run_config(path: str | Path, overrides: list[str] = ()) -> dict[str, dict[str, Any]]:
+    """Read, override and validate a run YAML. Relative paths inside it are relative to the working
+    directory (as on the command line)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the run config ({e})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    raw = apply_overrides(raw if isinstance(raw, dict) else {}, list(overrides)) if overrides else raw
+    return parse_run_config(raw, str(path))
+
+
+def describe_keys() -> str:
+    """Every key with its default and meaning (for ``--help``)."""
+    lines = []
+    for section, keys in SCHEMA.items():
+        for key, (default, _, text) in keys.items():
+            shown = "required" if default is REQUIRED else f"default {default!r}"
+            lines.append(f"  {section}.{key}: {text} ({shown})")
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""The jitted DFlash train step: frozen target features -> fresh anchors -> chunked packed draft loss.
+
+Memory at paper scale (3072 tokens, 512 anchors, block 16, Qwen3-8B draft shapes, vocab 151,936) is decided
+here. The unchunked packed forward keeps every layer's ``[A*B, L]`` context scores for the backward pass and
+materialises ``[A*B, V]`` logits; compiled grad needs ~52 GiB per sequence. So:
+
+* each layer's context keys/values are computed once per sequence (they are small: ``[KV, L, D]``);
+* the anchors are processed ``anchor_chunk`` at a time in a ``lax.scan`` whose body is rematerialised
+  (``jax.checkpoint``): the backward pass recomputes one chunk's activations instead of storing all of them;
+* each chunk goes straight from hidden states to the cross-entropy sums of its MASK positions; the anchor's
+  logits are never computed and no ``[A*B, V]`` array exists.
+
+The loss is normalised globally: the step adds up ``LossSums`` (``sum(w * ce)``, ``sum(w)``, metric counts)
+over chunks, sequences, devices (XLA's reductions over the sharded batch) and accumulation micro-steps, and
+divides once. Anchors of a sequence come from ``fold_in(step key, global row index)``, so the same global
+batch gives the same anchors whatever the device count or accumulation split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from dflash_jax.models.draft import DraftModel, SharedHead, shared_head
+from dflash_jax.models.target import TargetModel
+from dflash_jax.training.anchors import block_labels, sample_anchors
+from dflash_jax.training.forward import _block_hidden, _context_kv, frozen
+from dflash_jax.training.loss import LossSums, block_loss_sums, loss_and_metrics
+
+Batch = dict[str, jax.Array]  # tokens [G, L] int32, loss_mask [G, L] bool, lengths [G] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """What decides the loss of a batch (everything here is part of a run's resume fingerprint)."""
+
+    block_size: int
+    gamma: float
+    mask_token_id: int
+    feature_layers: tuple[int, ...]
+    num_anchors: int = 512
+    anchor_chunk: int = 64  # anchors per rematerialised chunk: bounds the draft's activation memory
+    accum_steps: int = 1  # gradient-accumulation micro-steps per optimizer step (same global batch)
+    tied_head: bool = False  # the target ties its output head to its embedding
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any  # draft params (float32 master weights)
+    opt_state: Any
+    key: jax.Array  # uint32[2] base key; step s uses fold_in(key, s)
+
+
+def _chunk_logits_sums(module: DraftModel, context_kv, block_tokens, block_positions, anchor_valid, labels,
+                       label_mask, shared, gamma):
+    """Inside ``apply``: one chunk of anchors from block tokens to its ``LossSums`` (mask positions only)."""
+    x = _block_hidden(module, context_kv, block_tokens, block_positions, anchor_valid, shared)
+    return block_loss_sums(module.logits(x[:, :, 1:], shared), labels, label_mask, gamma)
+
+
+def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, block_tokens: jax.Array,
+                    block_positions: jax.Array, anchor_valid: jax.Array, labels: jax.Array, label_mask: jax.Array,
+                    shared: SharedHead, gamma: float, anchor_chunk: int) -> LossSums:
+    """``LossSums`` of all packed blocks ``[N, A, B]`` of ``target_features [N, L, n*H]``, ``anchor_chunk``
+    anchors at a time under rematerialisation. Equal (to float rounding) to ``dflash_loss`` of
+    ``draft_training_logits``, whatever the chunk size."""
+    n, a, b = block_tokens.shape
+    chunk = max(1, min(anchor_chunk, a))
+    pad = -a % chunk
+    if pad:  # extra anchors are invalid: no context, no labels, so they add nothing
+        widths = ((0, 0), (0, pad), (0, 0))
+        block_tokens, block_positions = jnp.pad(block_tokens, widths), jnp.pad(block_positions, widths)
+        labels, label_mask = jnp.pad(labels, widths), jnp.pad(label_mask, widths)
+        anchor_valid = jnp.pad(anchor_valid, ((0, 0), (0, pad)))
+    shared = frozen(shared)
+    context_kv = model.apply({"params": params}, target_features, method=_context_kv)
+
+    def chunks(x):  # [N, A, ...] -> [num_chunks, N, chunk, ...]
+        return jnp.moveaxis(x.reshape((n, -1, chunk) + x.shape[2:]), 1, 0)
+
+    @jax.checkpoint
+    def body(total, xs):
+        sums = model.apply({"params": params}, context_kv, *xs, shared, gamma, method=_chunk_logits_sums)
+        return total + sums, None
+
+    xs = tuple(chunks(x) for x in (block_tokens, block_positions, anchor_valid, labels, label_mask))
+    total, _ = jax.lax.scan(body, LossSums.zeros(b), xs)
+    return total
+
+
+def batch_loss_sums(draft_params: Any, target_params: Any, batch: Batch, key: jax.Array, row_index: jax.Array,
+                    target: TargetModel, draft: DraftModel, cfg: StepConfig) -> LossSums:
+    """The frozen target's features of the clean sequences, anchors drawn for each row from
+    ``fold_in(key, row_index)``, then the chunked draft loss sums."""
+    tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"].astype(bool), batch["lengths"]
+    n, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (n, length))
+    out = target.apply({"params": target_params}, tokens, positions, valid=positions < lengths[:, None],
+                       feature_layers=cfg.feature_layers, skip_logits=True)
+    features = jax.lax.stop_gradient(out.features)
+    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, row_index)
+    anchors, valid = jax.vmap(lambda k, m, n_: sample_anchors(k, m, n_, cfg.num_anchors))(row_keys, loss_mask, lengths)
+    anchors, valid = anchors[:, 0], valid[:, 0]
+    block_tokens, block_positions, labels, label_mask = block_labels(
+        tokens, loss_mask, lengths, anchors, valid, cfg.block_size, mask_token_id=cfg.mask_token_id)
+    shared = shared_head(target_params, cfg.tied_head)
+    return draft_loss_sums(draft, draft_params, features, block_tokens, block_positions, valid, labels, label_mask,
+                           shared, cfg.gamma, cfg.anchor_chunk)
+
+
+def _cast(tree: Any, dtype: Any) -> Any:
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def accumulated_gradients(params: Any, target_params: Any, batch: Batch, key: jax.Array, target: TargetModel,
+                          draft: DraftModel, cfg: StepConfig) -> tuple[Any, LossSums]:
+    """Gradients of the globally normalised loss over the whole batch, in ``cfg.accum_steps`` micro-steps.
+
+    Each micro-step differentiates the UNnormalised ``sum(w * ce)``; gradients and sums are added up and
+    divided once by the total ``sum(w)``. Micro-step ``m`` takes rows ``r`` with ``r % accum_steps == m``, so
+    each device keeps working on the rows it already holds under a batch-sharded layout.
+    """
+    g = batch["tokens"].shape[0]
+    steps = cfg.accum_steps
+    if g % steps:
+        raise ValueError(f"global batch {g} is not divisible by accum_steps {steps}")
+    compute_dtype = draft.dtype
+
+    def micro_batches(x):  # [G, ...] -> [steps, G // steps, ...] with row r in micro-step r % steps
+        return jnp.swapaxes(x.reshape((g // steps, steps) + x.shape[1:]), 0, 1)
+
+    micro = {k: micro_batches(v) for k, v in batch.items()}
+    rows = micro_batches(jnp.arange(g, dtype=jnp.int32))
+
+    def weighted_ce(p, mb, idx):
+        sums = batch_loss_sums(_cast(p, compute_dtype), target_params, mb, key, idx, target, draft, cfg)
+        return sums.weighted_ce, sums
+
+    grad_fn = jax.grad(weighted_ce, has_aux=True)
+
+    def body(carry, xs):
+        grads, sums = carry
+        mb, idx = xs
+        g_m, s_m = grad_fn(params, mb, idx)
+        return (jax.tree.map(jnp.add, grads, g_m), sums + s_m), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, sums), _ = jax.lax.scan(body, (zeros, LossSums.zeros(cfg.block_size)), (micro, rows))
+    grads = jax.tree.map(lambda x: x / jnp.maximum(sums.weight, 1e-12), grads)
+    return grads, sums
+
+
+def make_optimizer(learning_rate: float = 6e-4, total_steps: int = 1000, warmup_ratio: float = 0.04,
+                   clip_norm: float = 1.0, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999,
+                   min_lr_ratio: float = 0.0) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW with linear warmup then cosine decay and global-norm clipping (SPEC section 6 defaults);
+    returns the optimizer and its learning-rate schedule (for logging)."""
+    warmup = max(1, int(round(warmup_ratio * total_steps))) if warmup_ratio > 0 else 0
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else learning_rate, peak_value=learning_rate, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=learning_rate * min_lr_ratio)
+    return optax.chain(
+        optax.clip_by_global_norm(clip_norm),
+        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay),
+    ), schedule
+
+
+def make_train_step(target: TargetModel, draft: DraftModel, cfg: StepConfig, optimizer: optax.GradientTransformation,
+                    schedule: Callable[[Any], Any] | None = None):
+    """``step(state, target_params, batch) -> (state, metrics)``, pure (jit it with shardings/donation)."""
+
+    def step(state: TrainState, target_params: Any, batch: Batch):
+        key = jax.random.fold_in(state.key, state.step)
+        grads, sums = accumulated_gradients(state.params, target_params, batch, key, target, draft, cfg)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        loss, metrics = loss_and_metrics(sums)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["tokens"] = jnp.sum(batch["lengths"]).astype(jnp.float32)
+        if schedule is not None:
+            metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        return new_state, metrics
+
+    return step
+
+
+def init_train_state(params: Any, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                      key=jax.random.PRNGKey(seed))

@@ -1,0 +1,341 @@
+"""The trainer loop behind ``python -m train fit``: one run config in, a trained draft out.
+
+Data flow: run config -> mesh -> target params loaded straight into their shardings -> tokenized rows ->
+grain batches (this process's share) -> global arrays -> the jitted, donated train step -> metrics
+(TensorBoard, metrics.jsonl, progress bar), Orbax checkpoints (every N steps, on SIGTERM, at the end), the
+real tau of the draft through the engine on held-out prompts, and the export (official layout + Orbax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from dflash_jax import sharding
+from dflash_jax.checkpoints import orbax_io
+from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target, resolve_dtype
+from dflash_jax.checkpoints.loading import load_draft_any, load_tokenizer, restore_orbax, tokenizer_dir
+from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft
+from dflash_jax.data.pipeline import BatchIterator, make_dataset, steps_per_run
+from dflash_jax.models.config import ConfigError, TargetConfig
+from dflash_jax.models.draft import DraftModel
+from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.target import TargetModel
+from dflash_jax.training.checkpointing import TrainCheckpoints, abstract_like
+from dflash_jax.training.loss import default_gamma
+from dflash_jax.training.metrics import MetricsLogger
+from dflash_jax.training.step import StepConfig, TrainState, init_train_state, make_optimizer, make_train_step
+
+UNIFORM_GAMMA = 1e9  # exp(-(k-1)/gamma) == 1 to float precision: the uniform-weight ablation
+
+
+def compute_dtype(name: str) -> Any:
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return resolve_dtype(name)
+
+
+def load_target_sharded(path: str | Path, dtype: Any, mesh) -> tuple[TargetConfig, dict]:
+    """Target params in their rule shardings; a Hugging Face directory is read tensor by tensor and each
+    device receives only its slice (no full copy per device)."""
+    path = Path(path)
+    if orbax_io.is_orbax_dir(path):
+        config, params = restore_orbax(path, "target", dtype)
+        return config, jax.device_put(params, sharding.tree_shardings(params, mesh))
+    config = TargetConfig.from_json(path / "config.json") if path.is_dir() else None
+    if config is None:
+        raise ConfigError(f"{path}: target checkpoint directory not found (target.path)")
+    shardings = sharding.tree_shardings(abstract_target_params(config, dtype), mesh)
+
+    def place(param_path: tuple[str, ...], host: np.ndarray) -> jax.Array:
+        s = shardings
+        for k in param_path:
+            s = s[k]
+        return sharding.place(host, s)
+
+    return load_target(path, dtype=dtype, place=place)
+
+
+def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, dict | None]:
+    """The draft to train: an existing one (``draft.init``) or a new Qwen3-style draft shaped like the target."""
+    d = cfg["draft"]
+    if d["init"]:
+        config, params = load_draft_any(d["init"], dtype="float32")
+        config.validate_against(target, source=f"draft.init {d['init']}")
+        return config, params
+    ids = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else None
+    config = DraftConfig.for_target(target, num_layers=d["num_layers"], block_size=d["block_size"],
+                                    mask_token_id=d["mask_token_id"], target_layer_ids=ids)
+    if d["intermediate_size"]:
+        config = dataclasses.replace(config, intermediate_size=d["intermediate_size"])
+    config.validate_against(target, source="run config [draft]")
+    return config, None
+
+
+@dataclasses.dataclass
+class FitResult:
+    steps: int
+    final_metrics: dict
+    eval_tau: float | None
+    export_dir: Path | None
+    stopped_early: bool
+
+
+class _Stop:
+    """SIGTERM (a preempted job) asks the loop to save and stop after the current step."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = None
+
+    def __enter__(self):
+        try:
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread
+            self._old = None
+        return self
+
+    def _handle(self, *_):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = None, progress: bool = True,
+        log: Callable[[str], None] = print) -> FitResult:
+    """Train (or resume) the run ``cfg`` (``run_config.parse_run_config``).
+
+    ``tokenized`` (a ``TokenizedData``) skips reading and tokenizing ``data.train``; ``eval_prompts`` are the
+    held-out prompts as token ids (otherwise read from ``data.eval_prompts``).
+    """
+    out_dir = Path(cfg["output"]["dir"])
+    mesh = sharding.make_mesh(cfg["mesh"])
+    dtype = compute_dtype(cfg["train"]["dtype"])
+    log(f"mesh {dict(mesh.shape)} over {jax.device_count()} {jax.default_backend()} device(s), "
+        f"{jax.process_count()} process(es); compute dtype {jnp.dtype(dtype).name}")
+
+    target_config, target_params = load_target_sharded(cfg["target"]["path"], dtype, mesh)
+    draft_config, init_params = build_draft_config(cfg, target_config)
+    tokenizer = None
+    if tokenized is None or (eval_prompts is None and cfg["data"]["eval_prompts"]):
+        tokenizer = load_tokenizer(cfg["target"]["tokenizer"] or tokenizer_dir(cfg["target"]["path"]))
+    if tokenized is None:
+        tokenized = read_training_data(cfg, tokenizer, log)
+    if eval_prompts is None and cfg["data"]["eval_prompts"]:
+        eval_prompts = read_eval_prompts(cfg, tokenizer)
+    vocab_top = int(tokenized.tokens.max())
+    if vocab_top >= target_config.vocab_size:
+        raise ConfigError(f"data.train: token id {vocab_top} is outside the target's vocabulary "
+                          f"({target_config.vocab_size}); is the tokenizer the target's own?")
+
+    t = cfg["train"]
+    block = draft_config.block_size
+    gamma = UNIFORM_GAMMA if t["uniform_loss"] else float(t["gamma"] or default_gamma(block))
+    step_cfg = StepConfig(block_size=block, gamma=gamma, mask_token_id=draft_config.mask_token_id,
+                          feature_layers=draft_config.target_layer_ids, num_anchors=t["num_anchors"],
+                          anchor_chunk=t["anchor_chunk"], accum_steps=t["accum_steps"],
+                          tied_head=target_config.tie_word_embeddings)
+    global_batch = t["global_batch"]
+    num_rows = len(tokenized.lengths)
+    epoch_steps = steps_per_run(num_rows, global_batch, t["epochs"])
+    total_steps = min(epoch_steps, t["max_steps"]) if t["max_steps"] else epoch_steps
+    if total_steps < 1:
+        raise ConfigError(f"data.train: {num_rows} usable rows x {t['epochs']} epochs do not fill one global batch "
+                          f"of {global_batch} (train.global_batch)")
+    optimizer, schedule = make_optimizer(t["learning_rate"], total_steps, t["warmup_ratio"], t["clip_norm"],
+                                         t["weight_decay"], min_lr_ratio=t["min_lr_ratio"])
+
+    fingerprint = {
+        "draft": draft_config.to_official_dict(), "step": {k: (list(v) if isinstance(v, tuple) else v)
+                                                          for k, v in dataclasses.asdict(step_cfg).items()},
+        "data": {"fingerprint": tokenized.fingerprint(), "global_batch": global_batch, "epochs": t["epochs"],
+                 "seed": t["seed"]},
+        "optimizer": {k: t[k] for k in ("learning_rate", "warmup_ratio", "min_lr_ratio", "weight_decay",
+                                        "clip_norm")} | {"total_steps": total_steps},
+        "target": {"config": target_config.to_hf_dict(), "dtype": jnp.dtype(dtype).name},
+    }
+
+    params = init_params if init_params is not None else init_draft_params(
+        draft_config, seed=t["seed"], std=float(cfg["draft"]["init_std"]))
+    with jax.set_mesh(mesh):
+        abstract_state = jax.eval_shape(lambda p: init_train_state(p, optimizer, t["seed"]), params)
+        state_sh = sharding.tree_shardings(abstract_state, mesh)
+        ckpts = TrainCheckpoints(out_dir / "checkpoints", keep=cfg["output"]["keep"])
+        restored = ckpts.restore_latest(abstract_like(abstract_state, state_sh), fingerprint)
+        dataset = make_dataset({"tokens": tokenized.tokens, "loss_mask": tokenized.loss_mask,
+                                "lengths": tokenized.lengths}, global_batch, seed=t["seed"], epochs=t["epochs"],
+                               process_index=jax.process_index(), process_count=jax.process_count())
+        batches = BatchIterator(dataset)
+        if restored is None:
+            state = jax.jit(lambda p: init_train_state(p, optimizer, t["seed"]), out_shardings=state_sh)(params)
+            start = 0
+        else:
+            start, state, data_state = restored
+            batches.restore(data_state)
+            log(f"resumed from {ckpts.directory} at step {start}")
+        del params, init_params
+
+        target = TargetModel(target_config, dtype)
+        draft = DraftModel(draft_config, dtype)
+        step_fn = make_train_step(target, draft, step_cfg, optimizer, schedule)
+        target_sh = jax.tree.map(lambda x: x.sharding, target_params)
+        batch_sh = {k: sharding.batch_sharding(mesh, 2 if k != "lengths" else 1)
+                    for k in ("tokens", "loss_mask", "lengths")}
+        train_step = jax.jit(step_fn, in_shardings=(state_sh, target_sh, batch_sh),
+                             out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=(0,))
+
+        logger = MetricsLogger(out_dir, enabled=jax.process_index() == 0)
+        log_every, save_every = cfg["output"]["log_every"], cfg["output"]["save_every"]
+        eval_every = cfg["output"]["eval_every"]
+        metrics: dict = {}
+        eval_tau = None
+        stopped = False
+        bar = tqdm(total=total_steps, initial=start, desc="train", unit="step", disable=not progress
+                   or jax.process_index() != 0, dynamic_ncols=True)
+        with _Stop() as stop:
+            step = start
+            window_t, window_tokens, window_steps = time.perf_counter(), 0.0, 0
+            while step < total_steps:
+                local = next(batches)
+                batch = sharding.global_batch_from_local(local, mesh, global_batch)
+                state, m = train_step(state, target_params, batch)
+                step += 1
+                window_steps += 1
+                window_tokens += float(np.sum(local["lengths"])) * jax.process_count()
+                bar.update(1)
+                if step % log_every == 0 or step == total_steps:
+                    metrics = _scalarise(jax.device_get(m))  # waits for the step: the timing below is real
+                    elapsed = time.perf_counter() - window_t
+                    metrics |= {"step_time_s": elapsed / window_steps, "tokens_per_s": window_tokens / elapsed}
+                    logger.write(step, metrics)
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.3f}",
+                                    tau_est=f"{metrics['implied_acceptance_length']:.2f}")
+                    window_t, window_tokens, window_steps = time.perf_counter(), 0.0, 0
+                if eval_every and step % eval_every == 0 and step < total_steps and eval_prompts:
+                    eval_tau = evaluate_tau(cfg, target_config, target_params, draft_config, state.params,
+                                            eval_prompts, dtype)
+                    logger.write(step, {"eval_tau": eval_tau})
+                if step % save_every == 0 or stop.requested:
+                    ckpts.save(step, state, batches.state(), fingerprint)
+                if stop.requested:
+                    log(f"SIGTERM: saved step {step} to {ckpts.directory}; rerun the same command to resume")
+                    stopped = True
+                    break
+        bar.close()
+        if not stopped and ckpts.latest_step() != step:
+            ckpts.save(step, state, batches.state(), fingerprint)
+        ckpts.close()
+        export_dir = None
+        if not stopped:
+            if eval_prompts:
+                eval_tau = evaluate_tau(cfg, target_config, target_params, draft_config, state.params, eval_prompts,
+                                        dtype)
+                logger.write(step, {"eval_tau": eval_tau})
+                log(f"real tau of the draft on {min(len(eval_prompts), cfg['output']['eval_num_prompts'])} "
+                    f"held-out prompts: {eval_tau:.2f}")
+            export_dir = export_draft(out_dir / "export", draft_config, state.params, cfg["output"]["export_dtype"])
+            if export_dir is not None:
+                log(f"exported {export_dir / 'draft'} (official layout) and {export_dir / 'draft-orbax'} (Orbax)")
+        logger.close()
+    return FitResult(steps=step, final_metrics=metrics, eval_tau=eval_tau, export_dir=export_dir,
+                     stopped_early=stopped)
+
+
+def _scalarise(metrics: dict) -> dict:
+    out = {}
+    for k, v in metrics.items():
+        v = np.asarray(v)
+        if v.ndim == 0:
+            out[k] = float(v)
+        else:
+            out.update({f"{k}/{i}": float(x) for i, x in enumerate(v.ravel())})
+    return out
+
+
+def evaluate_tau(cfg: dict, target_config: TargetConfig, target_params: dict, draft_config: DraftConfig,
+                 draft_params: Any, prompts: list[list[int]], dtype: Any) -> float:
+    """The real acceptance length of the current draft through the decode engine (greedy), not a training
+    estimate: a wrong mask id or a train/serve mismatch shows here and nowhere else (SPEC section 6)."""
+    from dflash_jax.engine.decoder import Decoder
+
+    if jax.process_count() > 1:  # the engine reads results as host arrays of one process
+        return float("nan")
+    params = jax.tree.map(lambda x: x.astype(dtype), draft_params)
+    decoder = Decoder(target_config, target_params, draft_config, params, dtype=dtype)
+    chosen = prompts[: cfg["output"]["eval_num_prompts"]]
+    result = decoder.generate(chosen, cfg["output"]["eval_max_new_tokens"],
+                              stop_tokens=target_config.eos_token_ids)
+    return result.tau
+
+
+def export_draft(directory: Path, config: DraftConfig, params: Any, dtype: str | None) -> Path | None:
+    """The trained draft in the official layout (servable by SGLang/vLLM, loadable by ``python -m infer
+    --ckpt``) and as an Orbax checkpoint; written beside and renamed into place when complete."""
+    if jax.process_count() > 1 and not all(x.is_fully_addressable for x in jax.tree.leaves(params)):
+        params = jax.experimental.multihost_utils.process_allgather(params, tiled=True)
+    host = jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(params))
+    if jax.process_index() != 0:
+        return None
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_draft(config, host, tmp / "draft", dtype=dtype)
+    orbax_io.save_params(tmp / "draft-orbax", host, "draft", config.to_official_dict())
+    if directory.exists():
+        old = directory.with_name(directory.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        directory.rename(old)
+        tmp.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(directory)
+    return directory
+
+
+def read_training_data(cfg: dict, tokenizer: Any, log: Callable[[str], None]):
+    """Read every ``data.train`` file, report skipped rows, tokenize with loss masks."""
+    from dflash_jax.data.formats import read_examples
+    from dflash_jax.data.tokenize import tokenize_examples
+
+    files = cfg["data"]["train"]
+    files = [files] if isinstance(files, str) else files
+    examples = []
+    for f in files:
+        rows, stats = read_examples(f)
+        examples += rows
+        log(f"{f}: {len(rows)} rows" + (f", {stats.skipped} malformed rows skipped" if stats.skipped else ""))
+    data = tokenize_examples(tokenizer, examples, cfg["data"]["max_length"], cfg["data"]["use_chat_template"],
+                             progress=True)
+    log(f"tokenized {len(data.lengths)} rows ({int(data.loss_mask.sum())} trained tokens); "
+        f"{data.num_truncated} truncated at {cfg['data']['max_length']} tokens, "
+        f"{data.num_without_targets} without trainable tokens dropped")
+    return data
+
+
+def read_eval_prompts(cfg: dict, tokenizer: Any) -> list[list[int]]:
+    from dflash_jax.data.formats import read_examples
+    from dflash_jax.data.regenerate import prompt_ids
+
+    examples, _ = read_examples(cfg["data"]["eval_prompts"])
+    return [prompt_ids(tokenizer, e, cfg["data"]["use_chat_template"]) for e in examples]
+
+
+def param_count(tree: Any) -> int:
+    return int(sum(math.prod(np.shape(x)) for x in jax.tree.leaves(tree)))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2))

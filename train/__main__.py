@@ -1,0 +1,34 @@
+"""Dispatch ``python -m train {regenerate,fit,plan} ...``."""
+
+import sys
+
+USAGE = """usage: python -m train {regenerate,fit,plan} ...
+
+  regenerate  the target answers every prompt of a JSONL file with this project's engine (resumable shards)
+  fit         train a DFlash draft from a run config (configs/<run>.yaml), with checkpoints and resume
+  plan        AOT-compile the train step from abstract shapes and print per-device memory and FLOPs
+
+Each subcommand explains its flags with --help."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sub = argv[0] if argv else None
+    if sub == "regenerate":
+        from train.regenerate import main as run
+    elif sub == "fit":
+        from train.fit import main as run
+    elif sub == "plan":
+        from train.plan import main as run
+    elif sub in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    else:
+        print(USAGE, file=sys.stderr)
+        print(f"error: expected a subcommand (regenerate, fit or plan), got {sub!r}", file=sys.stderr)
+        return 2
+    return run(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""``python -m train fit --config configs/<run>.yaml [--set section.key=value ...]``: train a DFlash draft.
+
+Rerunning the same command resumes from the newest checkpoint in output.dir (params, optimizer state, RNG and
+data position), and refuses when a setting that decides the model or the data order changed. SIGTERM saves a
+checkpoint and stops. At the end the draft is evaluated through the engine (real tau on data.eval_prompts)
+and exported to output.dir/export/draft (official layout: servable by SGLang/vLLM, loadable by
+'python -m infer --ckpt') and output.dir/export/draft-orbax.
+
+Multi-host: start the same command on every host with --coordinator HOST:PORT --num-processes N
+--process-id I (or let jax.distributed discover them on TPU pods / SLURM with --distributed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from infer.cli import Parser, run_cli
+
+PROG = "python -m train fit"
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cpu-devices", type=int, metavar="N",
+                        help="simulate N devices on the CPU (XLA's host platform device count), e.g. to try a mesh")
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="multi-process: address of process 0 (jax.distributed.initialize)")
+    parser.add_argument("--num-processes", type=int, metavar="N", help="multi-process: number of processes")
+    parser.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's index")
+    parser.add_argument("--distributed", action="store_true",
+                        help="call jax.distributed.initialize() with auto-detection (TPU pods, SLURM)")
+
+
+def setup_devices(args: argparse.Namespace) -> None:
+    """Must run before JAX touches a backend."""
+    if args.cpu_devices:
+        if args.cpu_devices < 1:
+            raise ValueError(f"--cpu-devices must be positive, got {args.cpu_devices}")
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    explicit = [args.coordinator, args.num_processes, args.process_id]
+    if any(v is not None for v in explicit):
+        if any(v is None for v in explicit):
+            raise ValueError("--coordinator, --num-processes and --process-id go together")
+        if not 0 <= args.process_id < args.num_processes:
+            raise ValueError(f"--process-id {args.process_id} must be in 0..{args.num_processes - 1}")
+        import jax
+
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    elif args.distributed:
+        import jax
+
+        jax.distributed.initialize()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dflash_jax.training.run_config import describe_keys
+
+    parser = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                    epilog="Run config keys (YAML sections; override any with --set section.key=value):\n"
+                           + describe_keys())
+    parser.add_argument("--config", required=True, metavar="FILE", help="the run config YAML (see configs/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.max_steps=100 (repeatable)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    add_device_args(parser)
+    return parser
+
+
+def fit_main(args: argparse.Namespace) -> int:
+    setup_devices(args)
+    from dflash_jax.training.run_config import load_run_config
+    from dflash_jax.training.trainer import fit
+
+    cfg = load_run_config(args.config, args.overrides)
+    result = fit(cfg, progress=not args.no_progress)
+    m = result.final_metrics
+    if m:
+        print(f"step {result.steps}: loss {m['loss']:.4f}, accuracy {m['accuracy']:.3f}, "
+              f"estimated tau {m['implied_acceptance_length']:.2f}")
+    if result.eval_tau is not None:
+        print(f"real tau through the engine: {result.eval_tau:.2f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), fit_main, argv)
