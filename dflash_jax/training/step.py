@@ -158,7 +158,7 @@ def accumulated_gradients(params: Any, target_params: Any, batch: Batch, key: ja
 
 def make_optimizer(learning_rate: float = 6e-4, total_steps: int = 1000, warmup_ratio: float = 0.04,
                    clip_norm: float = 1.0, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999,
-                   min_lr_ratio: float = 0.0) -> tuple[optax.GradientTransformation, optax.Schedule]:
+                   min_lr_ratio: float = 0.0, eps: float = 1e-8) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup then cosine decay and global-norm clipping (SPEC section 6 defaults);
     returns the optimizer and its learning-rate schedule (for logging)."""
     warmup = max(1, int(round(warmup_ratio * total_steps))) if warmup_ratio > 0 else 0
@@ -167,7 +167,7 @@ def make_optimizer(learning_rate: float = 6e-4, total_steps: int = 1000, warmup_
         decay_steps=max(total_steps, warmup + 1), end_value=learning_rate * min_lr_ratio)
     return optax.chain(
         optax.clip_by_global_norm(clip_norm),
-        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay),
+        optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
     ), schedule
 
 

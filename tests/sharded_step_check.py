@@ -1,0 +1,71 @@
+"""Run in a subprocess with 8 fake CPU devices (tests/test_train_step.py): the same global batch through the
+train step on 1 device, 1 device with 4 accumulation micro-steps, and 8 devices (data=2, fsdp=2, tensor=2).
+Prints one JSON object with the largest differences of loss, gradients and updated params."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from dflash_jax import sharding  # noqa: E402
+from dflash_jax.models.draft import DraftModel  # noqa: E402
+from dflash_jax.models.target import TargetModel  # noqa: E402
+from dflash_jax.training.step import (  # noqa: E402
+    StepConfig, accumulated_gradients, init_train_state, make_optimizer, make_train_step,
+)
+from engine_tiny import tiny_draft, tiny_target  # noqa: E402
+from train_tiny import STEP_KW, tiny_tokenized  # noqa: E402
+
+
+def run(mesh_spec, devices, accum):
+    tc, tp = tiny_target()
+    dc, dp = tiny_draft()
+    cfg = StepConfig(feature_layers=dc.target_layer_ids, accum_steps=accum, **STEP_KW)
+    data = tiny_tokenized(rows=8)
+    batch = {"tokens": data.tokens, "loss_mask": data.loss_mask, "lengths": data.lengths}
+    mesh = sharding.make_mesh(mesh_spec, devices)
+    target, draft = TargetModel(tc), DraftModel(dc)
+    # Adam's first update is lr * g / (|g| + eps): with the default eps a gradient entry of 1e-7 (pure
+    # rounding noise between reduction orders) moves by ~lr either way. eps 1e-4 keeps the update a smooth
+    # function of the gradient, so the comparison checks the sharded step rather than Adam's sign function.
+    optimizer, _ = make_optimizer(1e-3, total_steps=10, warmup_ratio=0.0, eps=1e-4)
+    with jax.set_mesh(mesh):
+        tp = jax.device_put(tp, sharding.tree_shardings(tp, mesh))
+        state = init_train_state(dp, optimizer, seed=0)
+        state_sh = sharding.tree_shardings(state, mesh)
+        state = jax.device_put(state, state_sh)
+        batch = sharding.global_batch_from_local(batch, mesh, 8)
+        key = jax.random.fold_in(state.key, state.step)
+        grads, sums = jax.jit(lambda p, t, b: accumulated_gradients(p, t, b, key, target, draft, cfg))(
+            state.params, tp, batch)
+        step = jax.jit(make_train_step(target, draft, cfg, optimizer), out_shardings=(state_sh, None))
+        new_state, metrics = step(state, tp, batch)
+        kinds = {str(x.sharding.spec) for x in jax.tree.leaves(new_state.params)}
+    return (float(metrics["loss"]), jax.device_get(grads), jax.device_get(new_state.params), len(mesh.devices.flat),
+            sorted(kinds))
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+devs = jax.devices()
+one = run("data=1", devs[:1], 1)
+accum = run("data=1", devs[:1], 4)
+eight = run("data=2,fsdp=2,tensor=2", devs, 1)
+eight_accum = run("data=2,fsdp=2,tensor=2", devs, 4)
+out = {"devices": [one[3], eight[3]], "loss": one[0], "sharded_specs": eight[4]}
+for name, other in (("accum4", accum), ("devices8", eight), ("devices8_accum4", eight_accum)):
+    out[name] = {"loss": abs(other[0] - one[0]), "grads": max_diff(other[1], one[1]),
+                 "params": max_diff(other[2], one[2])}
+print(json.dumps(out))

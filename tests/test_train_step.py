@@ -1,0 +1,110 @@
+"""The train step: the chunked, rematerialised loss equals the unchunked packed forward + ``dflash_loss``
+(which tests/test_training_blocks.py ties to the inference forward), and the globally normalised loss does
+not depend on how the global batch is split over devices or accumulation micro-steps.
+
+Tolerances (fp32, CPU, highest matmul precision): chunked vs unchunked loss 1e-5 relative and gradients
+1e-5 absolute; 1 device vs 8 devices vs 4 micro-steps: loss 1e-6 relative, gradients 1e-6 absolute,
+updated params 1e-5 absolute.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.models.draft import DraftModel, shared_head
+from dflash_jax.models.target import TargetModel
+from dflash_jax.training.anchors import block_labels, sample_anchors
+from dflash_jax.training.forward import draft_training_logits
+from dflash_jax.training.loss import dflash_loss
+from dflash_jax.training.step import StepConfig, batch_loss_sums
+from engine_tiny import tiny_draft, tiny_target
+from train_tiny import STEP_KW, tiny_tokenized
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tc, tp = tiny_target()
+    dc, dp = tiny_draft()
+    data = tiny_tokenized(rows=4)
+    batch = {"tokens": jnp.asarray(data.tokens), "loss_mask": jnp.asarray(data.loss_mask),
+             "lengths": jnp.asarray(data.lengths)}
+    return tc, tp, dc, dp, batch
+
+
+def unchunked_loss(tc, tp, dc, dp, batch, key, cfg):
+    """The reference: anchors drawn the same way, then the dense packed forward and ``dflash_loss``."""
+    target, draft = TargetModel(tc), DraftModel(dc)
+    n, length = batch["tokens"].shape
+    pos = jnp.broadcast_to(jnp.arange(length)[None], (n, length))
+    feats = target.apply({"params": tp}, batch["tokens"], pos, valid=pos < batch["lengths"][:, None],
+                         feature_layers=dc.target_layer_ids, skip_logits=True).features
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(n))
+    anchors, valid = jax.vmap(lambda k, m, le: sample_anchors(k, m, le, cfg.num_anchors))(
+        keys, batch["loss_mask"], batch["lengths"])
+    anchors, valid = anchors[:, 0], valid[:, 0]
+    blk, bpos, labels, lmask = block_labels(batch["tokens"], batch["loss_mask"], batch["lengths"], anchors, valid,
+                                            cfg.block_size, mask_token_id=cfg.mask_token_id)
+
+    def loss(p):
+        logits = draft_training_logits(draft, p, feats, blk, bpos, valid, shared_head(tp, False))
+        return dflash_loss(logits, labels, lmask, cfg.gamma)[0]
+
+    return jax.jit(jax.value_and_grad(loss))(dp)
+
+
+@pytest.mark.parametrize("chunk", [6, 4, 1])
+def test_chunked_loss_and_gradients_equal_unchunked(setup, chunk):
+    tc, tp, dc, dp, batch = setup
+    cfg = StepConfig(feature_layers=dc.target_layer_ids, **{**STEP_KW, "anchor_chunk": chunk})
+    key = jax.random.PRNGKey(3)
+    ref_loss, ref_grads = unchunked_loss(tc, tp, dc, dp, batch, key, cfg)
+    target, draft = TargetModel(tc), DraftModel(dc)
+
+    def loss(p):
+        sums = batch_loss_sums(p, tp, batch, key, jnp.arange(4), target, draft, cfg)
+        return sums.weighted_ce / sums.weight
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(dp)
+    np.testing.assert_allclose(value, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, atol=1e-5)
+    assert float(np.max(np.abs(jax.tree.leaves(grads)[0]))) > 0
+
+
+def test_anchor_logits_are_never_computed():
+    """The chunk's head sees only the B-1 mask positions: no [.., B, V] logits exist in the step's HLO."""
+    tc, tp = tiny_target()
+    dc, dp = tiny_draft()
+    cfg = StepConfig(feature_layers=dc.target_layer_ids, **STEP_KW)
+    data = tiny_tokenized(rows=2)
+    batch = {"tokens": data.tokens, "loss_mask": data.loss_mask, "lengths": data.lengths}
+    fn = jax.jit(lambda p: batch_loss_sums(p, tp, batch, jax.random.PRNGKey(0), jnp.arange(2), TargetModel(tc),
+                                           DraftModel(dc), cfg).weighted_ce)
+    hlo = fn.lower(dp).as_text()
+    chunk, vocab = cfg.anchor_chunk, tc.vocab_size
+    assert f"x{chunk}x{cfg.block_size - 1}x{vocab}x" in hlo  # StableHLO spells shapes tensor<2x4x7x97xf32>
+    assert f"x{chunk}x{cfg.block_size}x{vocab}x" not in hlo
+
+
+def test_sharded_and_accumulated_steps_equal_one_device():
+    """8 fake CPU devices (data=2, fsdp=2, tensor=2) and 4 accumulation micro-steps against 1 device."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    proc = subprocess.run([sys.executable, str(TESTS / "sharded_step_check.py")], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == [1, 8]
+    assert any("tensor" in s for s in out["sharded_specs"]) and any("fsdp" in s for s in out["sharded_specs"])
+    for name in ("accum4", "devices8", "devices8_accum4"):
+        assert out[name]["loss"] <= 1e-6 * abs(out["loss"]), (name, out)
+        assert out[name]["grads"] <= 1e-6, (name, out)
+        assert out[name]["params"] <= 1e-5, (name, out)
