@@ -27,13 +27,16 @@ def is_orbax_dir(path: str | Path) -> bool:
     return (path / META_FILE).is_file() and (path / PARAMS_DIR).is_dir()
 
 
-def save_params(path: str | Path, params: Mapping[str, Any], kind: str, config: Mapping[str, Any]) -> Path:
-    """Save ``params`` (any pytree of arrays) with its config; the parent directory is created."""
+def save_params(path: str | Path, params: Mapping[str, Any], kind: str, config: Mapping[str, Any],
+                write_meta: bool = True) -> Path:
+    """Save ``params`` (any pytree of arrays) with its config; the parent directory is created. With several
+    processes every one calls this (Orbax saves collectively) and only one passes ``write_meta``."""
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path / PARAMS_DIR, params, force=True)
-    (path / META_FILE).write_text(json.dumps({"kind": kind, "config": dict(config)}, indent=2))
+    if write_meta:
+        (path / META_FILE).write_text(json.dumps({"kind": kind, "config": dict(config)}, indent=2))
     return path
 
 

@@ -87,11 +87,13 @@ def stop_tokens_of(target_config: TargetConfig, tokenizer: Any = None, target_di
     return sorted(ids)
 
 
-def encode_conversation(tokenizer: Any, messages: list[dict], use_chat_template: bool = True) -> list[int]:
-    """Token ids of a conversation ending in a user turn, with the generation prompt and thinking off when
-    the tokenizer has a chat template; otherwise the plain text of the last message (with BOS)."""
+def encode_conversation(tokenizer: Any, messages: list[dict], use_chat_template: bool = True,
+                        enable_thinking: bool = False) -> list[int]:
+    """Token ids of a conversation ending in a user turn, with the generation prompt (thinking off unless
+    asked: Qwen3's switch, ignored by other templates) when the tokenizer has a chat template; otherwise the
+    plain text of the last message (with BOS)."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=False)
+                                             enable_thinking=enable_thinking)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(messages[-1]["content"])["input_ids"])

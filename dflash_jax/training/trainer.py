@@ -247,7 +247,7 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
                 log(f"real tau of the draft on {min(len(eval_prompts), cfg['output']['eval_num_prompts'])} "
                     f"held-out prompts: {eval_tau:.2f}")
             export_dir = export_draft(out_dir / "export", draft_config, state.params, cfg["output"]["export_dtype"])
-            if export_dir is not None:
+            if jax.process_index() == 0:
                 log(f"exported {export_dir / 'draft'} (official layout) and {export_dir / 'draft-orbax'} (Orbax)")
         logger.close()
     return FitResult(steps=step, final_metrics=metrics, eval_tau=eval_tau, export_dir=export_dir,
@@ -281,26 +281,35 @@ def evaluate_tau(cfg: dict, target_config: TargetConfig, target_params: dict, dr
     return result.tau
 
 
-def export_draft(directory: Path, config: DraftConfig, params: Any, dtype: str | None) -> Path | None:
+def export_draft(directory: Path, config: DraftConfig, params: Any, dtype: str | None) -> Path:
     """The trained draft in the official layout (servable by SGLang/vLLM, loadable by ``python -m infer
-    --ckpt``) and as an Orbax checkpoint; written beside and renamed into place when complete."""
-    if jax.process_count() > 1 and not all(x.is_fully_addressable for x in jax.tree.leaves(params)):
-        params = jax.experimental.multihost_utils.process_allgather(params, tiled=True)
+    --ckpt``) and as an Orbax checkpoint; written beside and renamed into place when complete. Every process
+    takes part (Orbax saves collectively); process 0 writes the files."""
+    from jax.experimental import multihost_utils
+
+    multi = jax.process_count() > 1
+    if multi:
+        params = multihost_utils.process_allgather(params, tiled=True)
     host = jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(params))
-    if jax.process_index() != 0:
-        return None
+    primary = jax.process_index() == 0
     tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_draft(config, host, tmp / "draft", dtype=dtype)
-    orbax_io.save_params(tmp / "draft-orbax", host, "draft", config.to_official_dict())
-    if directory.exists():
-        old = directory.with_name(directory.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        directory.rename(old)
-        tmp.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(directory)
+    if primary:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_draft(config, host, tmp / "draft", dtype=dtype)
+    if multi:
+        multihost_utils.sync_global_devices("dflash_export_draft")
+    orbax_io.save_params(tmp / "draft-orbax", host, "draft", config.to_official_dict(), write_meta=primary)
+    if primary:
+        if directory.exists():
+            old = directory.with_name(directory.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            directory.rename(old)
+            tmp.rename(directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(directory)
+    if multi:
+        multihost_utils.sync_global_devices("dflash_export_done")
     return directory
 
 
@@ -326,10 +335,10 @@ def read_training_data(cfg: dict, tokenizer: Any, log: Callable[[str], None]):
 
 def read_eval_prompts(cfg: dict, tokenizer: Any) -> list[list[int]]:
     from dflash_jax.data.formats import read_examples
-    from dflash_jax.data.regenerate import prompt_ids
+    from dflash_jax.data.regenerate import first_prompt_ids
 
     examples, _ = read_examples(cfg["data"]["eval_prompts"])
-    return [prompt_ids(tokenizer, e, cfg["data"]["use_chat_template"]) for e in examples]
+    return [first_prompt_ids(tokenizer, e, cfg["data"]["use_chat_template"]) for e in examples]
 
 
 def param_count(tree: Any) -> int:

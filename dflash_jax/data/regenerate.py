@@ -1,0 +1,291 @@
+"""Regeneration: the target answers every prompt itself, so the draft is trained on the target's own
+distribution (SPEC section 6), not on whatever model wrote the dataset.
+
+Conversations: the target answers each user turn in order, the next user turn following the target's OWN
+earlier answer (answers in the input are replaced). Plain text: the target continues the prompt (or the whole
+text when there is no prompt). Generation runs batched on the device with this project's engine (DFlash when
+the decoder has a draft: the output has the target's distribution either way).
+
+Output: ``out_dir/shard-00000.jsonl``, ... where shard ``k`` holds the rows of input examples
+``[k * shard_size, (k + 1) * shard_size)`` in input order, each written atomically, plus ``regenerate.json``
+with the settings. A rerun skips complete shards, so a killed run resumes with no missing and no duplicated
+row; a rerun with other settings is refused. Every batch draws its random key from (seed, shard, turn, batch)
+and batches always have ``batch_size`` rows (padded with a copy of the first prompt), so a resumed run writes
+exactly what an uninterrupted one would have.
+
+A turn whose prompt plus ``max_new_tokens`` does not fit the target's positions, or whose answer is empty,
+ends that conversation; an example with no answered turn is left out (and reported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from dflash_jax.data.formats import (
+    REGENERATE_SETTINGS, Conversation, DataError, Example, PlainText, atomic_write, example_to_row, shard_path,
+)
+from dflash_jax.data.tokenize import plain_prompt_ids
+from dflash_jax.engine.decoder import encode_conversation
+from dflash_jax.engine.sampling import SamplingConfig
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass
+class RegenerateStats:
+    examples: int = 0  # input examples
+    shards: int = 0
+    shards_done_before: int = 0  # complete shards found (a resumed run)
+    shards_written: int = 0
+    rows_written: int = 0
+    answers: int = 0  # generated turns
+    unfinished: int = 0  # answers cut at max_new_tokens before a stop token
+    generated_tokens: int = 0
+    skipped: int = 0  # examples left out: no turn could be answered
+    seconds: float = 0.0
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+def _sha256_json(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()
+
+
+def examples_fingerprint(examples: Sequence[Example]) -> str:
+    """sha256 of the normalised examples: the same data read from a moved or recompressed file matches."""
+    h = hashlib.sha256()
+    for example in examples:
+        h.update(json.dumps(example_to_row(example), sort_keys=True, ensure_ascii=False).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def regeneration_settings(decoder: Any, tokenizer: Any, examples: Sequence[Example], *, batch_size: int,
+                          max_new_tokens: int, sampling: SamplingConfig, stop_tokens: Sequence[int], seed: int,
+                          shard_size: int, use_chat_template: bool, enable_thinking: bool) -> dict:
+    """Everything that decides the output rows (batch size included: sampled rows depend on their batch)."""
+    import jax.numpy as jnp
+
+    template = getattr(tokenizer, "chat_template", None) if use_chat_template else None
+    return {
+        "format": FORMAT_VERSION,
+        "data_sha256": examples_fingerprint(examples),
+        "num_examples": len(examples),
+        "target_config_sha256": _sha256_json(dataclasses.asdict(decoder.target_config)),
+        "draft": bool(decoder.has_draft),
+        "block_size": int(decoder.block_size) if decoder.has_draft else None,
+        "dtype": jnp.dtype(decoder.dtype).name,
+        "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
+        "enable_thinking": bool(enable_thinking),
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(sampling.temperature),
+        "top_k": int(sampling.top_k),
+        "top_p": float(sampling.top_p),
+        "stop_tokens": sorted(int(t) for t in stop_tokens),
+        "seed": int(seed),
+        "shard_size": int(shard_size),
+        "batch_size": int(batch_size),
+    }
+
+
+def prepare_out_dir(out_dir: Path, settings: dict) -> None:
+    """Create ``out_dir`` with its settings file, or check an existing one matches; remove partial shards."""
+    settings_path = out_dir / REGENERATE_SETTINGS
+    if settings_path.is_file():
+        try:
+            previous = json.loads(settings_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{settings_path}: cannot read ({e})") from None
+        if not isinstance(previous, dict):
+            raise DataError(f"{settings_path}: expected a JSON object")
+        differing = [k for k in sorted(set(previous) | set(settings)) if previous.get(k) != settings.get(k)]
+        if differing:
+            details = "; ".join(f"{k}: {previous.get(k)!r} -> {settings.get(k)!r}" for k in differing)
+            raise DataError(f"{out_dir} holds a regeneration with other settings ({details}); use the same settings "
+                            "to resume, or another --out")
+    else:
+        if out_dir.is_dir() and any(out_dir.glob("shard-*.jsonl")):
+            raise DataError(f"{out_dir} has shard files but no {REGENERATE_SETTINGS}; use an empty or new --out")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with atomic_write(settings_path) as f:
+            f.write((json.dumps(settings, indent=2) + "\n").encode())
+    for stale in out_dir.glob("*.tmp"):  # left by a killed run
+        stale.unlink()
+
+
+def batch_seed(seed: int, shard: int, turn: int, batch: int) -> int:
+    """An independent, reproducible seed for one generate call."""
+    return int(np.random.SeedSequence([seed, shard, turn, batch]).generate_state(1)[0])
+
+
+@dataclasses.dataclass
+class _Job:
+    """One example being answered turn by turn."""
+
+    index: int  # in the input file
+    example: Example
+    history: list[dict]  # messages so far, with the target's own answers
+    users: list[str]  # the user turns to answer in order (the prompt, for plain text)
+    answers: int = 0
+    done: bool = False
+
+
+def _job(index: int, example: Example) -> _Job:
+    if isinstance(example, PlainText):
+        return _Job(index, example, [], [example.prompt or example.text])
+    system = [dict(m) for m in example.messages[:1] if m["role"] == "system"]
+    return _Job(index, example, system, [m["content"] for m in example.messages if m["role"] == "user"])
+
+
+def _result_row(job: _Job) -> dict | None:
+    if job.answers == 0:
+        return None
+    if isinstance(job.example, PlainText):
+        return example_to_row(PlainText(job.history[-1]["content"], job.users[0]))
+    return example_to_row(Conversation(tuple(job.history)))
+
+
+class _Progress:
+    """tqdm bar over examples with rows/s and generated tokens/s of this run."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc="regenerate", unit="row", disable=not enabled,
+                        file=sys.stderr)
+        self.start, self.rows, self.tokens = time.perf_counter(), 0, 0
+
+    def update(self, rows: int, tokens: int) -> None:
+        self.rows += rows
+        self.tokens += tokens
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.rows / elapsed:.2f} rows/s, {self.tokens / elapsed:.0f} tok/s", refresh=False)
+        self.bar.update(rows)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _prompt_ids(job: _Job, turn: int, tokenizer: Any, use_chat_template: bool, enable_thinking: bool) -> list[int]:
+    """The prompt of ``turn``: the conversation so far (with the target's own answers) and the next user turn."""
+    if isinstance(job.example, PlainText):
+        return plain_prompt_ids(tokenizer, job.users[0])
+    job.history.append({"role": "user", "content": job.users[turn]})
+    return encode_conversation(tokenizer, job.history, use_chat_template, enable_thinking)
+
+
+def first_prompt_ids(tokenizer: Any, example: Example, use_chat_template: bool = True,
+                     enable_thinking: bool = False) -> list[int]:
+    """The prompt of an example's first turn exactly as regeneration feeds it to the engine (the trainer's
+    held-out prompts for the real tau)."""
+    return _prompt_ids(_job(0, example), 0, tokenizer, use_chat_template, enable_thinking)
+
+
+def _end(job: _Job) -> None:
+    """End the conversation before the current turn (its prompt is too long, or its answer empty)."""
+    if job.history and job.history[-1]["role"] == "user":
+        job.history.pop()
+    job.done = True
+
+
+def answer_shard(decoder: Any, tokenizer: Any, examples: Sequence[Example], shard: int, first_index: int, *,
+                 batch_size: int, max_new_tokens: int, sampling: SamplingConfig, stop_tokens: Sequence[int],
+                 seed: int, use_chat_template: bool, enable_thinking: bool, stats: RegenerateStats,
+                 progress: _Progress) -> list[dict]:
+    """The output rows of one shard's examples (in input order; an example with no answer has no row). Turn t
+    of every example is generated before turn t + 1 of any, so the batches are full."""
+    jobs = [_job(first_index + i, e) for i, e in enumerate(examples)]
+    stops = {int(t) for t in stop_tokens}
+    max_positions = decoder.target_config.max_position_embeddings
+    turn = 0
+    while active := [j for j in jobs if not j.done and turn < len(j.users)]:
+        ready = []
+        for j in active:
+            ids = _prompt_ids(j, turn, tokenizer, use_chat_template, enable_thinking)
+            if len(ids) + max_new_tokens <= max_positions:
+                ready.append((j, ids))
+                continue
+            stats.warnings.append(
+                f"example {j.index} turn {turn + 1}: the prompt of {len(ids)} tokens plus max_new_tokens="
+                f"{max_new_tokens} exceeds the target's {max_positions} positions; "
+                + ("the conversation ends before this turn" if j.answers else "example left out"))
+            _end(j)
+            progress.update(1, 0)
+        for b in range(0, len(ready), batch_size):
+            batch = ready[b: b + batch_size]
+            prompts = [ids for _, ids in batch]
+            prompts += [prompts[0]] * (batch_size - len(prompts))  # one compiled shape per prompt width
+            result = decoder.generate(prompts, max_new_tokens, sampling, stop_tokens,
+                                      seed=batch_seed(seed, shard, turn, b // batch_size))
+            finished = tokens = 0
+            for (j, _), out in zip(batch, result.tokens):
+                tokens += len(out)
+                answer = tokenizer.decode(out, skip_special_tokens=True)
+                if not answer.strip():
+                    _end(j)
+                else:
+                    stats.answers += 1
+                    stats.unfinished += int(not out or out[-1] not in stops)
+                    j.history.append({"role": "assistant", "content": answer})
+                    j.answers += 1
+                    j.done = turn + 1 >= len(j.users)
+                finished += j.done
+            stats.generated_tokens += tokens
+            progress.update(finished, tokens)
+        turn += 1
+    rows = [_result_row(j) for j in jobs]
+    stats.skipped += sum(r is None for r in rows)
+    return [r for r in rows if r is not None]
+
+
+def regenerate(decoder: Any, tokenizer: Any, examples: Sequence[Example], out_dir: str | Path, *, batch_size: int,
+               max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(), stop_tokens: Sequence[int] = (),
+               seed: int = 0, shard_size: int = 256, use_chat_template: bool = True, enable_thinking: bool = False,
+               progress: bool = True) -> RegenerateStats:
+    """Answer every example with the target and write resumable JSONL shards to ``out_dir`` (see the module
+    docstring). Returns the statistics of this run (complete shards found are counted, not re-read)."""
+    for name, value in (("batch_size", batch_size), ("shard_size", shard_size), ("max_new_tokens", max_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if seed < 0:
+        raise ValueError(f"seed must be non-negative, got {seed}")
+    if not examples:
+        raise DataError("nothing to regenerate: no examples")
+    decoder.check_fits([1], max_new_tokens)  # max_new_tokens alone must fit the target's positions
+    out_dir = Path(out_dir)
+    settings = regeneration_settings(
+        decoder, tokenizer, examples, batch_size=batch_size, max_new_tokens=max_new_tokens, sampling=sampling,
+        stop_tokens=stop_tokens, seed=seed, shard_size=shard_size, use_chat_template=use_chat_template,
+        enable_thinking=enable_thinking)
+    prepare_out_dir(out_dir, settings)
+
+    num_shards = -(-len(examples) // shard_size)
+    done = {k for k in range(num_shards) if shard_path(out_dir, k).is_file()}
+    stats = RegenerateStats(examples=len(examples), shards=num_shards, shards_done_before=len(done))
+    initial = sum(len(examples[k * shard_size: (k + 1) * shard_size]) for k in done)
+    bar = _Progress(len(examples), initial, progress)
+    start = time.perf_counter()
+    try:
+        for k in range(num_shards):
+            if k in done:
+                continue
+            part = examples[k * shard_size: (k + 1) * shard_size]
+            rows = answer_shard(decoder, tokenizer, part, k, k * shard_size, batch_size=batch_size,
+                                max_new_tokens=max_new_tokens, sampling=sampling, stop_tokens=stop_tokens, seed=seed,
+                                use_chat_template=use_chat_template, enable_thinking=enable_thinking, stats=stats,
+                                progress=bar)
+            with atomic_write(shard_path(out_dir, k)) as f:
+                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
+            stats.shards_written += 1
+            stats.rows_written += len(rows)
+    finally:
+        bar.close()
+        stats.seconds = time.perf_counter() - start
+    return stats

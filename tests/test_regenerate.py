@@ -1,0 +1,233 @@
+"""Regeneration on a tiny target: the rows hold the target's own greedy answers (a later turn following its own
+earlier answer), a killed run resumes to exactly the uninterrupted output, and settings changes are refused."""
+
+import argparse
+import dataclasses
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cli_tiny import write_tiny_pair
+from dflash_jax.data import (
+    Conversation, DataError, PlainText, plain_prompt_ids, read_examples, regenerate, tokenize_examples,
+)
+from dflash_jax.engine.decoder import Decoder, encode_conversation
+from dflash_jax.engine.sampling import SamplingConfig
+from infer.run import load_decoder
+from train.__main__ import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARD, BATCH, NEW = 3, 4, 8
+
+ROWS = [
+    {"prompt": "What?"}, {"question": "Why"}, {"instruction": "Say", "input": "hi", "output": "replaced"},
+    {"messages": [{"role": "system", "content": "Be"}, {"role": "user", "content": "one"},
+                  {"role": "assistant", "content": "old answer"}, {"role": "user", "content": "two"}]},
+    {"prompt": "x"}, {"prompt": "Tell me more"},
+    {"conversations": [{"from": "human", "value": "q"}]}, {"prompt": "Go"}, {"prompt": "7+8="},
+    {"prompt": "Hm"}, {"text": "Once"},
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("regen")
+    target, _ = write_tiny_pair(root)
+    data = root / "data.jsonl"
+    lines = [json.dumps(r) for r in ROWS]
+    lines.insert(5, "{not json")  # a malformed line: reported and skipped
+    data.write_text("\n".join(lines) + "\n")
+    args = argparse.Namespace(target=str(target), ckpt=None, tokenizer=None, dtype="float32", block_size=None)
+    decoder, tokenizer, stops = load_decoder(args, need_draft=False)
+    return root, target, data, decoder, tokenizer, stops
+
+
+def run(setup, out, decoder=None, examples=None, tokenizer=None, **overrides):
+    _, _, data, default_decoder, default_tokenizer, stops = setup
+    kw = dict(batch_size=BATCH, max_new_tokens=NEW, sampling=SamplingConfig(), stop_tokens=stops, seed=0,
+              shard_size=SHARD, progress=False)
+    kw.update(overrides)
+    examples = read_examples(data)[0] if examples is None else examples
+    return regenerate(decoder or default_decoder, tokenizer or default_tokenizer, examples, out, **kw)
+
+
+def shard_texts(out):
+    return {p.name: p.read_text() for p in sorted(out.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    out = setup[0] / "reference"
+    stats = run(setup, out)
+    return out, stats
+
+
+def cli_args(setup, out, *extra):
+    _, target, data, *_ = setup
+    return ["regenerate", "--target", str(target), "--data", str(data), "--out", str(out), "--shard-size",
+            str(SHARD), "--batch-size", str(BATCH), "--max-new-tokens", str(NEW), "--no-progress", *extra]
+
+
+def greedy_answer(decoder, tokenizer, stops, ids):
+    """Plain greedy decoding of the target for these prompt ids, alone (every row of the batch is this prompt:
+    the compiled programs of the regeneration are reused, its batching and ordering are not)."""
+    result = decoder.generate([ids] * BATCH, NEW, SamplingConfig(), stops, baseline=True)
+    return tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+
+
+def test_rows_are_the_targets_own_greedy_answers(setup, reference):
+    _, _, _, decoder, tokenizer, stops = setup
+    out, stats = reference
+    assert sorted(p.name for p in out.iterdir()) == [
+        "regenerate.json", "shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl", "shard-00003.jsonl"]
+    assert (stats.shards, stats.shards_written, stats.rows_written, stats.skipped) == (4, 4, 11, 0)
+    assert stats.answers == 12 and stats.generated_tokens > 0
+    settings = json.loads((out / "regenerate.json").read_text())
+    assert (settings["max_new_tokens"], settings["shard_size"], settings["stop_tokens"]) == (NEW, SHARD, stops)
+
+    rows = []
+    for k in range(4):
+        shard, _ = read_examples(out / f"shard-{k:05d}.jsonl")  # the output reads back as training rows
+        assert len(shard) == (SHARD if k < 3 else 2)
+        rows += shard
+    inputs = read_examples(setup[2])[0]
+    for row, source in zip(rows, inputs):
+        if isinstance(source, PlainText):
+            assert row == PlainText(greedy_answer(decoder, tokenizer, stops, plain_prompt_ids(tokenizer, "Once")),
+                                    "Once")
+            continue
+        users = [m for m in source.messages if m["role"] == "user"]
+        assert isinstance(row, Conversation) and [m for m in row.messages if m["role"] == "user"] == users
+        assert [m["role"] for m in row.messages if m["role"] != "system"] == ["user", "assistant"] * len(users)
+        for i, message in enumerate(row.messages):
+            if message["role"] == "assistant":  # what the target says after the conversation so far
+                ids = encode_conversation(tokenizer, list(row.messages[:i]))
+                assert message["content"] == greedy_answer(decoder, tokenizer, stops, ids)
+    assert read_examples(out)[0] == rows  # the whole directory, shards in order
+
+    data = tokenize_examples(tokenizer, rows, 64)  # ready for training: every row has answer tokens
+    assert len(data) == 11 and data.num_without_targets == 0
+    multi = rows[3].messages
+    assert multi[0] == {"role": "system", "content": "Be"} and len(multi) == 5
+    assert multi[2]["content"] != "old answer" and rows[2].messages[1]["content"] != "replaced"
+
+
+def test_resume_after_kill_9_equals_an_uninterrupted_run(setup, reference, capsys):
+    out = setup[0] / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "train", *cli_args(setup, out)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while not (out / "shard-00000.jsonl").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.005)
+        # Shard 1 holds the second turn of a conversation: a longer prompt, a new compilation, so the run is
+        # still going when the first shard appears.
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err.decode()
+    assert (out / "shard-00000.jsonl").exists() and not (out / "shard-00003.jsonl").exists()
+    with pytest.raises(DataError, match="incomplete"):  # training refuses a partial regeneration
+        read_examples(out)
+    (out / "shard-00002.jsonl.tmp").write_text('{"messages": "half a row')  # as if killed mid-write
+
+    assert main(cli_args(setup, out)) == 0
+    captured = capsys.readouterr()
+    assert f"warning: {setup[2]}:6: not valid JSON" in captured.err
+    assert "were already complete" in captured.out
+    assert shard_texts(out) == shard_texts(reference[0])  # no missing, no duplicated row, no .tmp left
+
+    assert main(cli_args(setup, out)) == 0  # a complete run: nothing left to do
+    assert "wrote 0 shards (4 were already complete)" in capsys.readouterr().out
+
+
+def test_sampled_run_resumes_to_the_same_rows(setup, tmp_path):
+    sampling = SamplingConfig(temperature=1.0, top_k=20)
+    examples = [e for i, e in enumerate(read_examples(setup[2])[0]) if i not in (3, 5)]  # short prompts only
+    full = tmp_path / "full"
+    run(setup, full, examples=examples, sampling=sampling, seed=3)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    for k in (1, 2):
+        (resumed / f"shard-{k:05d}.jsonl").unlink()
+    (resumed / "shard-00001.jsonl.tmp").write_text("partial")
+    stats = run(setup, resumed, examples=examples, sampling=sampling, seed=3)
+    assert (stats.shards_done_before, stats.shards_written) == (1, 2)
+    assert shard_texts(resumed) == shard_texts(full)
+
+
+def test_other_settings_into_the_same_directory_are_refused(setup, reference, capsys):
+    out = reference[0]
+    before = shard_texts(out)
+    for extra, key in ((["--max-new-tokens", "9"], "max_new_tokens"), (["--seed", "1"], "seed"),
+                       (["--thinking"], "enable_thinking"), (["--limit", "4"], "data_sha256")):
+        assert main(cli_args(setup, out, *extra)) == 2  # a repeated flag: the later value wins
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and key in errors[0] and str(out) in errors[0], err
+    assert shard_texts(out) == before
+    with pytest.raises(DataError, match="batch_size: 4 -> 2"):
+        run(setup, out, batch_size=2)
+
+
+def test_bad_input_is_one_error_line_naming_the_file(setup, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"title": "no prompt"}\n[1, 2]\n')
+    cases = [
+        (["--data", str(bad)], "bad.jsonl"),
+        (["--data", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+        (["--batch-size", "0"], "--batch-size"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+    ]
+    for extra, message in cases:
+        args = cli_args(setup, tmp_path / "out") + extra
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+    assert main(["regenerate", "--help"]) == 0
+    help_text = capsys.readouterr().out
+    for flag in ("--data", "--out", "--stop-token", "--shard-size", "--thinking", "--no-chat-template", "--limit"):
+        assert flag in help_text
+
+
+def test_thinking_switch_reaches_the_chat_template(setup, tmp_path):
+    real = setup[4]
+    seen = []
+
+    class Recording:  # the real tokenizer, recording the template's thinking switch
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, *args, **kwargs):
+            return real(*args, **kwargs)
+
+        def apply_chat_template(self, *args, **kwargs):
+            seen.append(kwargs.get("enable_thinking"))
+            return real.apply_chat_template(*args, **kwargs)
+
+    examples = read_examples(setup[2])[0][:2]
+    for thinking in (True, False):
+        seen.clear()
+        run(setup, tmp_path / str(thinking), examples=examples, tokenizer=Recording(), enable_thinking=thinking)
+        assert seen == [thinking] * len(examples)
+
+
+def test_prompt_too_long_ends_the_conversation(setup, tmp_path):
+    decoder = setup[3]
+    short = Decoder(dataclasses.replace(decoder.target_config, max_position_embeddings=22), decoder.target_params)
+    stats = run(setup, tmp_path / "short", decoder=short, batch_size=2)
+    # At most 22 - 8 = 14 prompt tokens: "u:Tell me more\na:" (17) is left out, and the multi-turn
+    # conversation (13 tokens for its first turn) ends before its second turn.
+    assert stats.skipped == 1 and len(stats.warnings) == 2, stats.warnings
+    assert "example 5 turn 1" in stats.warnings[0] and "left out" in stats.warnings[0]
+    assert "example 3 turn 2" in stats.warnings[1] and "ends before this turn" in stats.warnings[1]
+    rows = read_examples(tmp_path / "short" / "shard-00000.jsonl")[0] + \
+        read_examples(tmp_path / "short" / "shard-00001.jsonl")[0]
+    assert len(rows) == 5 and [m["role"] for m in rows[3].messages] == ["system", "user", "assistant"]
