@@ -30,6 +30,10 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "target_layer_ids": (None, (list,), "target layers whose features the draft reads (default: spread)"),
         "mask_token_id": (None, (int,), "the mask token's row of the target embedding (default: the last row)"),
         "intermediate_size": (None, (int,), "draft MLP width (default: the target's)"),
+        "num_attention_heads": (None, (int,), "draft query heads (default: the target's)"),
+        "num_key_value_heads": (None, (int,), "draft key/value heads (default: the target's)"),
+        "head_dim": (None, (int,), "draft head size (default: the target's; q/k norms cap attention logits at "
+                                   "sqrt(head_dim), so tiny heads cannot focus)"),
         "init_std": (0.02, (float, int), "std of the normal init of new linear weights (HF initializer_range)"),
     },
     "data": {
@@ -72,7 +76,8 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
     },
 }
 
-POSITIVE = {"draft.num_layers", "draft.block_size", "draft.intermediate_size", "data.max_length", "train.epochs",
+POSITIVE = {"draft.num_layers", "draft.block_size", "draft.intermediate_size", "draft.num_attention_heads",
+            "draft.num_key_value_heads", "draft.head_dim", "data.max_length", "train.epochs",
             "train.max_steps", "train.global_batch", "train.accum_steps", "train.num_anchors", "train.anchor_chunk",
             "train.gamma", "train.learning_rate", "train.clip_norm", "output.save_every", "output.keep",
             "output.log_every", "output.eval_num_prompts", "output.eval_max_new_tokens", "draft.init_std"}

@@ -77,8 +77,11 @@ def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, di
     ids = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else None
     config = DraftConfig.for_target(target, num_layers=d["num_layers"], block_size=d["block_size"],
                                     mask_token_id=d["mask_token_id"], target_layer_ids=ids)
-    if d["intermediate_size"]:
-        config = dataclasses.replace(config, intermediate_size=d["intermediate_size"])
+    shape = {k: d[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim") if d[k]}
+    config = dataclasses.replace(config, **shape)
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ConfigError(f"run config: draft.num_attention_heads {config.num_attention_heads} is not a multiple of "
+                          f"draft.num_key_value_heads {config.num_key_value_heads}")
     config.validate_against(target, source="run config [draft]")
     return config, None
 
@@ -326,7 +329,7 @@ def read_training_data(cfg: dict, tokenizer: Any, log: Callable[[str], None]):
         examples += rows
         log(f"{f}: {len(rows)} rows" + (f", {stats.skipped} malformed rows skipped" if stats.skipped else ""))
     data = tokenize_examples(tokenizer, examples, cfg["data"]["max_length"], cfg["data"]["use_chat_template"],
-                             progress=True)
+                             progress=True, source=f"data.train ({', '.join(str(f) for f in files)})")
     log(f"tokenized {len(data.lengths)} rows ({int(data.loss_mask.sum())} trained tokens); "
         f"{data.num_truncated} truncated at {cfg['data']['max_length']} tokens, "
         f"{data.num_without_targets} without trainable tokens dropped")

@@ -1,0 +1,198 @@
+"""Memory and FLOPs of the train step before any weight exists: compile it ahead of time from abstract shapes.
+
+``plan_step`` builds the target params and the draft ``TrainState`` as ``jax.ShapeDtypeStruct`` trees (no
+allocation, so the 8B pairing plans on a laptop), gives them the shardings of ``dflash_jax.sharding`` exactly
+as the trainer does, jits ``make_train_step`` with the trainer's ``in_shardings``/``out_shardings`` and donation,
+lowers and compiles it, and reads XLA's own accounting of the compiled per-device program:
+
+* ``compiled.memory_analysis()``: per-device bytes of the arguments, the outputs, the temporaries of the
+  buffer assignment, and the bytes by which outputs alias donated arguments (the new train state reuses the
+  old one's buffers). ``total = arguments + outputs + temporaries - aliased`` is what one device must hold at
+  the step's peak by that accounting. jit drops arguments the step never reads (target layers past the
+  last feature layer); the trainer holds them anyway, so ``resident_total_bytes`` adds them back;
+* ``compiled.cost_analysis()``: the FLOPs of the per-device program (``None`` when the backend reports none).
+  XLA counts a while loop's body once, whatever its trip count, so this undercounts the step's scans over
+  anchor chunks and accumulation micro-steps; ``matmul_flops`` counts the matrix products of the step's
+  jaxpr with every ``scan`` multiplied by its length.
+
+The figures are the compiling backend's: on CPU (``--xla_force_host_platform_device_count``) they are
+XLA:CPU's buffer assignment, a proxy for an accelerator's, not a measurement of one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from dflash_jax import sharding
+from dflash_jax.checkpoints.hf_target import abstract_target_params
+from dflash_jax.checkpoints.official_draft import abstract_draft_params
+from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.draft import DraftModel
+from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.target import TargetModel
+from dflash_jax.training.step import StepConfig, init_train_state, make_train_step
+
+BATCH_KEYS = ("tokens", "loss_mask", "lengths")
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded (abstract) arrays: the largest shard of each leaf."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(leaf.shape)
+        shard = leaf.sharding.shard_shape(shape) if getattr(leaf, "sharding", None) is not None else shape
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return int(total)
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> tuple[dict, dict]:
+    """The batch the trainer feeds (tokens/loss_mask ``[G, L]``, lengths ``[G]``) and its shardings."""
+    shapes = {"tokens": ((global_batch, seq_len), jnp.int32), "loss_mask": ((global_batch, seq_len), jnp.bool_),
+              "lengths": ((global_batch,), jnp.int32)}
+    shardings = {k: sharding.batch_sharding(mesh, len(shape)) for k, (shape, _) in shapes.items()}
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k]) for k, (shape, dtype) in shapes.items()}
+    return batch, shardings
+
+
+def _flops(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # some backends do not implement it
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    if not isinstance(cost, dict) or cost.get("flops") is None:
+        return None
+    flops = float(cost["flops"])
+    return flops if flops >= 0 else None
+
+
+def _sub_jaxprs(value: Any):
+    if isinstance(value, jax.extend.core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jax.extend.core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _sub_jaxprs(v)
+
+
+def matmul_flops(jaxpr: Any) -> tuple[int, bool]:
+    """FLOPs of every ``dot_general`` of a (closed) jaxpr, loops multiplied by their trip counts: ``scan``
+    bodies count ``length`` times, a ``cond`` its dearest branch. Returns ``(flops, exact)``; ``exact`` is
+    False when a ``while`` loop (trip count unknown here) was counted once. Matrix products are nearly all of
+    a transformer's FLOPs; elementwise work is left out."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    total, exact = 0, True
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lc, _), (lb, _) = eqn.params["dimension_numbers"]
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            shared = math.prod(lhs[d] for d in (*lc, *lb))
+            total += 2 * math.prod(lhs) * math.prod(rhs) // max(shared, 1)
+            continue
+        subs = [(k, j) for k, v in eqn.params.items() for j in _sub_jaxprs(v)]
+        if not subs:
+            continue
+        counted = [(k, matmul_flops(j)) for k, j in subs]
+        exact = exact and all(e for _, (_, e) in counted)
+        if name == "cond":
+            total += max(f for _, (f, _) in counted)
+        elif name == "scan":
+            total += eqn.params["length"] * sum(f for _, (f, _) in counted)
+        else:
+            if name == "while":
+                exact = False
+            total += sum(f for _, (f, _) in counted)
+    return total, exact
+
+
+def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: StepConfig, mesh: Mesh,
+              global_batch: int, seq_len: int, dtype: Any, optimizer: optax.GradientTransformation,
+              schedule: Any = None) -> dict:
+    """AOT-compile the train step for ``mesh`` from abstract shapes; per-device bytes, FLOPs, compile time.
+
+    Returns a dict of plain numbers, bytes per device: ``argument_bytes``, ``output_bytes``, ``temp_bytes``,
+    ``alias_bytes`` and ``total_bytes`` (arguments + outputs + temporaries - aliased) from XLA;
+    ``input_bytes`` (everything the trainer passes: state, target params, batch), ``dropped_argument_bytes``
+    (inputs that jit drops because the step never reads them, still resident in the trainer) and
+    ``resident_total_bytes`` (``total_bytes`` + dropped: what must fit); ``peak_bytes`` (the backend's own
+    figure, ``None`` when not reported); ``target_param_bytes``, ``draft_param_bytes`` and
+    ``draft_state_bytes`` (params, Adam moments, step and key). FLOPs: ``flops`` (XLA's cost analysis of the
+    per-device program, ``None`` when not reported; it counts each loop body ONCE, so it undercounts the
+    anchor-chunk and accumulation loops) and ``matmul_flops`` (every matrix product of the global step,
+    loops multiplied by their trip counts; ``matmul_flops_exact``). Also ``lower_seconds``,
+    ``compile_seconds``, and the ``mesh``, ``num_devices`` and ``backend`` planned for.
+    """
+    num_shards = int(np.prod([mesh.shape[a] for a in sharding.LOGICAL_TO_MESH["batch"]]))
+    if global_batch % num_shards:
+        raise ValueError(f"global batch {global_batch} is not divisible by data x fsdp = {num_shards} "
+                         f"(the batch is sharded over both axes)")
+    if global_batch % step_cfg.accum_steps:
+        raise ValueError(f"global batch {global_batch} is not divisible by accum_steps {step_cfg.accum_steps}")
+    target_abstract = abstract_target_params(target_config, dtype)
+    draft_abstract = abstract_draft_params(draft_config, jnp.float32)
+    with jax.set_mesh(mesh):
+        state_abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, 0), draft_abstract)
+        state_sh = sharding.tree_shardings(state_abstract, mesh)
+        target_sh = sharding.tree_shardings(target_abstract, mesh)
+        state_arg = _with_shardings(state_abstract, state_sh)
+        target_arg = _with_shardings(target_abstract, target_sh)
+        batch_arg, batch_sh = abstract_batch(global_batch, seq_len, mesh)
+
+        step_fn = make_train_step(TargetModel(target_config, dtype), DraftModel(draft_config, dtype), step_cfg,
+                                  optimizer, schedule)
+        train_step = jax.jit(step_fn, in_shardings=(state_sh, target_sh, batch_sh),
+                             out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=(0,))
+        t0 = time.perf_counter()
+        traced = train_step.trace(state_arg, target_arg, batch_arg)
+        step_flops, flops_exact = matmul_flops(traced.jaxpr)
+        lowered = traced.lower()
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+
+    mem = compiled.memory_analysis()
+    args, outs = int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes)
+    temps, alias = int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes)
+    peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0) or None
+    total = args + outs + temps - alias
+    # jit drops arguments the step never reads (the target's layers past its last feature layer, its final
+    # norm); the trainer still holds them on the device, so they count towards what must fit
+    inputs = per_device_bytes((state_arg, target_arg, batch_arg))
+    dropped = max(0, inputs - args)
+    return {
+        "mesh": {a: int(mesh.shape[a]) for a in sharding.MESH_AXES},
+        "num_devices": int(mesh.devices.size),
+        "backend": jax.default_backend(),
+        "argument_bytes": args,
+        "output_bytes": outs,
+        "temp_bytes": temps,
+        "alias_bytes": alias,
+        "total_bytes": total,
+        "input_bytes": inputs,
+        "dropped_argument_bytes": dropped,
+        "resident_total_bytes": total + dropped,
+        "peak_bytes": peak,
+        "target_param_bytes": per_device_bytes(target_arg),
+        "draft_param_bytes": per_device_bytes(state_arg.params),
+        "draft_state_bytes": per_device_bytes(state_arg),
+        "flops": _flops(compiled),
+        "matmul_flops": step_flops,
+        "matmul_flops_exact": flops_exact,
+        "lower_seconds": t1 - t0,
+        "compile_seconds": t2 - t1,
+    }

@@ -1,0 +1,280 @@
+"""``python -m train plan``: compile the train step ahead of time from abstract shapes (no weights are read or
+allocated) and print what one device must hold and compute per optimizer step.
+
+The models come from a pairing file (--pairing NAME_OR_YAML: its target and draft configs) or from a run
+config (--config RUN.yaml: the target's config.json at target.path, the draft as 'python -m train fit' builds
+it). Batch, anchors, chunking, accumulation, dtype and mesh default to the run config's values, or to the
+paper's setting (8 x 3072 tokens, 512 anchors in chunks of 64, bfloat16) with --pairing; flags override.
+
+The figures are XLA's accounting of the compiled per-device program (memory_analysis, cost_analysis) on the
+backend that compiles it. To plan a multi-device mesh on a CPU-only machine, simulate the devices with
+--cpu-devices N (N = the mesh size); the memory is then XLA:CPU's buffer assignment, a proxy for an
+accelerator's. The plan never starts devices of its own: without --cpu-devices a mesh larger than the
+machine is an error that says which flag to pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from infer.cli import Parser, UsageError, run_cli
+from train.fit import add_device_args, setup_devices
+
+PROG = "python -m train plan"
+GIB = 1 << 30
+PAPER = {"global_batch": 8, "seq_len": 3072, "num_anchors": 512, "anchor_chunk": 64, "accum_steps": 1,
+         "dtype": "bfloat16"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                    epilog="Exit codes: 0 planned (whether or not it fits), 2 bad arguments or settings "
+                           "(one 'error: ...' line on stderr).")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--pairing", metavar="NAME_OR_YAML",
+                        help="a pairing file (configs/<name>.yaml, by name or path): its target and draft")
+    source.add_argument("--config", metavar="RUN.yaml", help="a run config of 'python -m train fit'")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --config: override a run config key (repeatable)")
+    parser.add_argument("--num-draft-layers", type=int, metavar="N",
+                        help="with --config: draft depth of a new draft (same as --set draft.num_layers=N)")
+    parser.add_argument("--block-size", type=int, metavar="B",
+                        help="with --config: block size of a new draft (same as --set draft.block_size=B)")
+    parser.add_argument("--mesh", metavar="SPEC",
+                        help="device mesh, e.g. data=1,fsdp=8 or fsdp=4,tensor=2 (one axis may be -1); "
+                             "default: the run config's mesh, or every device on 'data'")
+    parser.add_argument("--global-batch", type=int, metavar="G", help="sequences per optimizer step (default 8)")
+    parser.add_argument("--seq-len", type=int, metavar="L", help="tokens per sequence (default 3072)")
+    parser.add_argument("--num-anchors", type=int, metavar="A", help="anchors per sequence (default 512)")
+    parser.add_argument("--anchor-chunk", type=int, metavar="C",
+                        help="anchors per rematerialised chunk (default 64; >= --num-anchors: one chunk)")
+    parser.add_argument("--accum-steps", type=int, metavar="K", help="accumulation micro-steps (default 1)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32", "auto"),
+                        help="compute dtype of target and draft (default bfloat16; 'auto' plans for an "
+                             "accelerator, i.e. bfloat16); the draft's master weights and Adam state are float32")
+    parser.add_argument("--device-memory-gib", type=float, default=80.0, metavar="GIB",
+                        help="memory of one device to compare the total with (default 80)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_device_args(parser)
+    return parser
+
+
+def _target_config_of(path: str):
+    from pathlib import Path
+
+    from dflash_jax.checkpoints import orbax_io
+    from dflash_jax.models.config import ConfigError, TargetConfig
+
+    p = Path(path)
+    if orbax_io.is_orbax_dir(p):
+        meta = orbax_io.read_meta(p)
+        if meta["kind"] != "target":
+            raise ConfigError(f"{p}: holds a {meta['kind']} checkpoint, but target.path must be a target")
+        return TargetConfig.from_dict(meta["config"], source=f"{p / orbax_io.META_FILE} [config]")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{p}: no config.json (target.path must be a Hugging Face directory or an Orbax "
+                          "checkpoint of this project)")
+    return TargetConfig.from_json(p / "config.json")
+
+
+def _draft_config_of(cfg: dict, target):
+    """The draft 'fit' would train, from configs only (``draft.init``'s weights are not read)."""
+    from pathlib import Path
+
+    from dflash_jax.checkpoints import orbax_io
+    from dflash_jax.models.config import ConfigError
+    from dflash_jax.models.draft_config import DraftConfig
+    from dflash_jax.training.trainer import build_draft_config
+
+    init = cfg["draft"]["init"]
+    if not init:
+        return build_draft_config(cfg, target)[0]
+    p = Path(init)
+    if orbax_io.is_orbax_dir(p):
+        meta = orbax_io.read_meta(p)
+        if meta["kind"] != "draft":
+            raise ConfigError(f"{p}: holds a {meta['kind']} checkpoint, but draft.init must be a draft")
+        config = DraftConfig.from_dict(meta["config"], source=f"{p / orbax_io.META_FILE} [config]")
+    elif (p / "config.json").is_file():
+        config = DraftConfig.from_json(p / "config.json")
+    else:
+        raise ConfigError(f"{p}: no config.json (draft.init must be an official draft directory or an Orbax "
+                          "checkpoint of this project)")
+    config.validate_against(target, source=f"draft.init {init}")
+    return config
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    """Models, step and mesh settings from --pairing or --config, then the flags."""
+    from dflash_jax.training.loss import DEFAULT_GAMMAS
+
+    if args.pairing is not None:
+        if args.overrides or args.num_draft_layers is not None or args.block_size is not None:
+            raise UsageError("--set, --num-draft-layers and --block-size go with --config (a pairing file fixes "
+                             "its draft)")
+        from dflash_jax.configs import load_pairing
+
+        pairing = load_pairing(args.pairing)
+        name, target, draft = pairing.name, pairing.target, pairing.draft
+        base = dict(PAPER, mesh=None, gamma=None, optimizer={})
+    else:
+        from dflash_jax.training.run_config import load_run_config
+        from dflash_jax.training.trainer import UNIFORM_GAMMA
+
+        overrides = list(args.overrides)
+        if args.num_draft_layers is not None:
+            overrides.append(f"draft.num_layers={args.num_draft_layers}")
+        if args.block_size is not None:
+            overrides.append(f"draft.block_size={args.block_size}")
+        cfg = load_run_config(args.config, overrides)
+        target = _target_config_of(cfg["target"]["path"])
+        draft = _draft_config_of(cfg, target)
+        t = cfg["train"]
+        name = args.config
+        base = {"global_batch": t["global_batch"], "seq_len": cfg["data"]["max_length"],
+                "num_anchors": t["num_anchors"], "anchor_chunk": t["anchor_chunk"], "accum_steps": t["accum_steps"],
+                "dtype": t["dtype"], "mesh": cfg["mesh"],
+                "gamma": UNIFORM_GAMMA if t["uniform_loss"] else t["gamma"],
+                "optimizer": {"learning_rate": t["learning_rate"], "warmup_ratio": t["warmup_ratio"],
+                              "clip_norm": t["clip_norm"], "weight_decay": t["weight_decay"],
+                              "min_lr_ratio": t["min_lr_ratio"]}}
+    s = dict(base)
+    for key in ("global_batch", "seq_len", "num_anchors", "anchor_chunk", "accum_steps", "dtype", "mesh"):
+        value = getattr(args, key)
+        if value is not None:
+            s[key] = value
+    for key in ("global_batch", "seq_len", "num_anchors", "anchor_chunk", "accum_steps"):
+        if s[key] < 1:
+            raise UsageError(f"--{key.replace('_', '-')} must be positive, got {s[key]}")
+    if s["global_batch"] % s["accum_steps"]:
+        raise UsageError(f"global batch {s['global_batch']} is not divisible by --accum-steps {s['accum_steps']}")
+    if args.device_memory_gib <= 0:
+        raise UsageError(f"--device-memory-gib must be positive, got {args.device_memory_gib}")
+    if s["dtype"] == "auto":
+        s["dtype"] = "bfloat16"  # what 'fit' computes in on an accelerator, the machine a plan is for
+    if s["gamma"] is None:
+        s["gamma"] = DEFAULT_GAMMAS.get(draft.block_size, 7.0)  # the decay does not change shapes
+    s.update(name=name, target=target, draft=draft)
+    return s
+
+
+def _make_mesh(spec, cpu_devices: int | None):
+    import jax
+
+    from dflash_jax import sharding
+
+    available = jax.device_count()
+    try:
+        return sharding.make_mesh(spec)
+    except ValueError as e:
+        wanted = _wanted_devices(spec)
+        if wanted and wanted > available and jax.default_backend() == "cpu":
+            hint = (f"; pass --cpu-devices {wanted} (--cpu-devices {cpu_devices} simulates only {cpu_devices})"
+                    if cpu_devices else f"; to plan it on this CPU, simulate the devices with --cpu-devices {wanted}")
+            raise ValueError(f"{e}{hint}") from None
+        raise
+
+
+def _wanted_devices(spec) -> int | None:
+    """Devices a mesh spec names when every axis is fixed (None with a -1 axis or a malformed spec)."""
+    if not spec:
+        return None
+    items = dict(spec) if not isinstance(spec, str) else dict(p.partition("=")[::2] for p in spec.split(","))
+    try:
+        sizes = [int(v) for v in items.values()]
+    except (TypeError, ValueError):
+        return None
+    return math.prod(sizes) if all(n > 0 for n in sizes) else None
+
+
+def plan_main(args: argparse.Namespace) -> int:
+    setup_devices(args)
+    s = _settings(args)  # configs are checked before JAX starts a backend
+
+    import jax
+
+    from dflash_jax.checkpoints.hf_target import resolve_dtype
+    from dflash_jax.training.plan import plan_step
+    from dflash_jax.training.step import StepConfig, make_optimizer
+
+    mesh = _make_mesh(s["mesh"], args.cpu_devices)
+    batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if s["global_batch"] % batch_shards:
+        raise UsageError(f"global batch {s['global_batch']} is not divisible by data x fsdp = {batch_shards} (the "
+                         "batch is sharded over both axes); change --global-batch or --mesh")
+    target, draft = s["target"], s["draft"]
+    step_cfg = StepConfig(block_size=draft.block_size, gamma=float(s["gamma"]), mask_token_id=draft.mask_token_id,
+                          feature_layers=draft.target_layer_ids, num_anchors=s["num_anchors"],
+                          anchor_chunk=s["anchor_chunk"], accum_steps=s["accum_steps"],
+                          tied_head=target.tie_word_embeddings)
+    optimizer, schedule = make_optimizer(total_steps=1000, **s["optimizer"])
+    if not args.json:
+        shown = ",".join(f"{a}={n}" for a, n in mesh.shape.items())
+        print(f"compiling the train step of {s['name']} for mesh {shown} ({mesh.devices.size} "
+              f"{jax.default_backend()} device(s)) ...", flush=True)
+    result = plan_step(target, draft, step_cfg, mesh, s["global_batch"], s["seq_len"], resolve_dtype(s["dtype"]),
+                       optimizer, schedule)
+    limit = args.device_memory_gib * GIB
+    result.update(
+        name=s["name"], dtype=s["dtype"], global_batch=s["global_batch"], seq_len=s["seq_len"],
+        num_anchors=s["num_anchors"], anchor_chunk=min(s["anchor_chunk"], s["num_anchors"]),
+        accum_steps=s["accum_steps"], block_size=draft.block_size, num_draft_layers=draft.num_hidden_layers,
+        device_memory_gib=args.device_memory_gib, fits=result["resident_total_bytes"] <= limit,
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_plan(result))
+    return 0
+
+
+def format_plan(r: dict) -> str:
+    mesh = ",".join(f"{a}={n}" for a, n in r["mesh"].items())
+    unit, scale = ("GiB", GIB) if r["resident_total_bytes"] >= GIB // 10 else ("MiB", 1 << 20)
+
+    def row(label: str, n: int, sign: str = "") -> str:
+        return f"  {label:<38}{sign + format(n / scale, '.2f'):>11}"
+
+    lines = [
+        f"train step of {r['name']}: mesh {mesh} ({r['num_devices']} {r['backend']} device(s)), {r['dtype']}",
+        f"  batch {r['global_batch']} x {r['seq_len']} tokens, {r['num_anchors']} anchors per sequence in chunks "
+        f"of {r['anchor_chunk']}, block {r['block_size']}, {r['num_draft_layers']} draft layers, "
+        f"{r['accum_steps']} accumulation step(s)",
+        f"  traced and lowered in {r['lower_seconds']:.1f} s, compiled in {r['compile_seconds']:.1f} s",
+        "",
+        f"per device{unit:>41}",
+        row("target params (all layers)", r["target_param_bytes"]),
+        row("draft state (fp32 params + Adam)", r["draft_state_bytes"]),
+        "",
+        row("arguments", r["argument_bytes"]),
+        row("outputs", r["output_bytes"]),
+        row("temporaries", r["temp_bytes"]),
+        row("aliased (donated state)", r["alias_bytes"], "-"),
+        row("total (XLA)", r["total_bytes"]),
+        row("inputs the step never reads", r["dropped_argument_bytes"], "+"),
+        row("total resident", r["resident_total_bytes"]),
+    ]
+    verdict = "fits" if r["fits"] else "does NOT fit"
+    lines.append(f"  -> {verdict} in {r['device_memory_gib']:g} GiB per device "
+                 f"({100 * r['resident_total_bytes'] / (r['device_memory_gib'] * GIB):.1f}%)")
+    lines.append("     (inputs never read: target layers past the last feature layer, which jit drops from the "
+                 "program but the trainer keeps on the device)")
+    lines.append("")
+    n = r["num_devices"]
+    approx = "" if r["matmul_flops_exact"] else " (a while loop counted once: a lower bound)"
+    lines.append(f"matmul FLOPs per step{approx}: {r['matmul_flops']:.3e} in all, "
+                 f"{r['matmul_flops'] / n:.3e} per device if evenly split")
+    if r["flops"] is None:
+        lines.append("XLA cost analysis: no FLOPs reported by this backend")
+    else:
+        lines.append(f"XLA cost analysis: {r['flops']:.3e} FLOPs per device (counts each loop body once: the "
+                     f"anchor-chunk and accumulation loops run it more often)")
+    if r["backend"] == "cpu":
+        lines.append("memory: XLA:CPU's buffer assignment, a proxy for an accelerator's, not a measurement of one")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), plan_main, argv)
