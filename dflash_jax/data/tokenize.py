@@ -2,9 +2,11 @@
 
 The draft is trained on the target's answers, so for every trained answer the sequence should hold what the
 target saw when it produced it, then the answer exactly as generated. An example is first rendered into
-alternating untrained/trained text spans, then each span is tokenised on its own (``add_special_tokens=False``)
-and the ids concatenated: at inference the prompt and the answer are tokenised separately too, and tokenising
-the joined text could merge tokens across the boundary.
+alternating untrained/trained text spans. Chat-template spans are tokenised on their own
+(``add_special_tokens=False``) and the ids concatenated: special tokens mark their boundaries, and tokenising
+the joined text could merge tokens across them. Plain text is tokenised as one text and every token is assigned
+to the span it starts in, because the target generated the answer as a continuation of the prompt's tokens
+(``tokenize_spans``).
 
 With a chat template, the spans of a conversation with assistant turns ``a_1 .. a_n`` are
 
@@ -172,8 +174,31 @@ def encode_example(tokenizer: Any, example: Example, max_length: int, use_chat_t
     _check_max_length(max_length)
     renderer = SpanRenderer.for_tokenizer(tokenizer, use_chat_template, enable_thinking)
     prefix, spans = renderer.spans(example)
-    pieces = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text, _ in spans]
+    pieces = next(iter(tokenize_spans(tokenizer, [spans], joint=not renderer.use_chat_template)))
     return assemble(prefix, pieces, [t for _, t in spans], max_length)
+
+
+def tokenize_spans(tokenizer: Any, rendered: Sequence[Sequence[Span]], joint: bool) -> list[list[list[int]]]:
+    """Token ids of every span of every example (one batched tokenizer call).
+
+    Chat-template spans are tokenised one by one: special tokens sit at their boundaries. Plain text
+    (``joint``) is tokenised as ONE text and each token goes to the span where it starts: a SentencePiece
+    tokenizer would otherwise give the answer a word-start marker it never had when the target generated it
+    as a continuation ("time" + "," would become "time", "_,")."""
+    if not joint or not getattr(tokenizer, "is_fast", False):
+        texts = [text for spans in rendered for text, _ in spans]
+        ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+        return [[list(next(ids)) for _ in spans] for spans in rendered]
+    texts = ["".join(text for text, _ in spans) for spans in rendered]
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else None
+    out = []
+    for i, spans in enumerate(rendered):
+        ends = np.cumsum([len(text) for text, _ in spans])
+        pieces: list[list[int]] = [[] for _ in spans]
+        for token, (start, _) in zip(enc["input_ids"][i], enc["offset_mapping"][i]):
+            pieces[min(int(np.searchsorted(ends, start, side="right")), len(spans) - 1)].append(int(token))
+        out.append(pieces)
+    return out
 
 
 @dataclasses.dataclass
@@ -256,10 +281,9 @@ def tokenize_examples(tokenizer: Any, examples: Sequence[Example], max_length: i
                     rendered.append(renderer.spans(example))
                 except DataError as e:
                     raise DataError(f"{source}: example {start + offset}: {e}") from None
-            texts = [text for _, spans in rendered for text, _ in spans]
-            ids = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
-            for prefix, spans in rendered:
-                pieces = [list(next(ids)) for _ in spans]
+            all_pieces = tokenize_spans(tokenizer, [spans for _, spans in rendered],
+                                        joint=not renderer.use_chat_template)
+            for (prefix, spans), pieces in zip(rendered, all_pieces):
                 row_ids, mask, truncated = assemble(prefix, pieces, [t for _, t in spans], max_length)
                 if not mask.any():
                     num_without_targets += 1
