@@ -166,3 +166,24 @@ def test_bad_input_is_one_error_line(tiny, tmp_path, capsys):
     empty.write_text(json.dumps({"prompt": "abc"}) + "\n")
     assert "prompts_only.jsonl" in error_of(capsys, base + ["--set", f"data.train={empty}"])
     assert "has a token to train on" in error_of(capsys, base + ["--set", "data.max_length=2"])
+
+
+def test_unreadable_latest_checkpoint_falls_back_to_the_previous(tiny, recwarn):
+    from dflash_jax.training.run_config import load_run_config
+    from dflash_jax.training.trainer import fit
+
+    root, config, _ = tiny
+    out = root / "fallback"
+    cfg = load_run_config(config, [f"output.dir={out}", "train.max_steps=6", "output.save_every=2"])
+    assert fit(cfg, progress=False, log=lambda _: None).steps == 6
+    first = exported(out)
+    for f in (out / "checkpoints" / "6" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\0garbage")
+    logs = []
+    assert fit(cfg, progress=False, log=logs.append).steps == 6
+    assert any("resumed" in line and "step 4" in line for line in logs), logs
+    messages = [str(w.message) for w in recwarn.list]
+    assert any("step 6 is unreadable" in m and "falling back to step 4" in m for m in messages), messages
+    again = exported(out)
+    assert all(first[k].tobytes() == again[k].tobytes() for k in first), "steps 5-6 redone identically"

@@ -10,6 +10,7 @@ with a warning.
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -55,12 +56,14 @@ class TrainCheckpoints:
         """``(step, state, data_state)`` of the newest readable checkpoint (``abstract_state`` carries the
         target shardings), or None when there is none. A changed fingerprint is a ConfigError."""
         steps = sorted(self.manager.all_steps(), reverse=True)
+        unreadable: list[int] = []
         for i, step in enumerate(steps):
             try:
                 saved = self.manager.restore(step, args=ocp.args.Composite(fingerprint=ocp.args.JsonRestore()))
                 saved_fp = saved["fingerprint"]
             except Exception as e:  # Orbax raises many types for a damaged step
                 self._warn_fallback(step, e, steps[i + 1:])
+                unreadable.append(step)
                 continue
             diffs = fingerprint_differences(saved_fp, fingerprint)
             if diffs:
@@ -72,9 +75,28 @@ class TrainCheckpoints:
                     state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
             except Exception as e:
                 self._warn_fallback(step, e, steps[i + 1:])
+                unreadable.append(step)
                 continue
+            self._set_aside(unreadable)
             return step, restored["state"], dict(restored["data"])
+        self._set_aside(unreadable)
         return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename unreadable step directories out of Orbax's sight (kept for inspection, never deleted): the
+        resumed run saves those steps again."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                path = self.directory / str(step)
+                if path.exists():
+                    path.rename(path.with_name(f"{step}.unreadable-{int(time.time())}"))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("dflash_set_aside_checkpoints")
+        self.manager.reload()
 
     def _warn_fallback(self, step: int, error: Exception, older: list[int]) -> None:
         where = f"falling back to step {older[0]}" if older else "starting from scratch"
