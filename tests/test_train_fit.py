@@ -187,3 +187,13 @@ def test_unreadable_latest_checkpoint_falls_back_to_the_previous(tiny, recwarn):
     assert any("step 6 is unreadable" in m and "falling back to step 4" in m for m in messages), messages
     again = exported(out)
     assert all(first[k].tobytes() == again[k].tobytes() for k in first), "steps 5-6 redone identically"
+
+
+def test_shipped_run_configs_parse():
+    from dflash_jax.training.run_config import load_run_config
+
+    shipped = sorted((REPO / "configs" / "runs").glob("*.yaml"))
+    assert shipped
+    for path in shipped:
+        cfg = load_run_config(path)
+        assert cfg["draft"]["block_size"] in (8, 10, 16), path

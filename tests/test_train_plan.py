@@ -80,3 +80,11 @@ def test_bad_input_is_one_error_line(args, message):
     assert proc.returncode == 2, stderr
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
+
+
+def test_run_config_without_target_config_is_one_error_line(tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text(f"target: {{path: {tmp_path / 'missing'}}}\ndata: {{train: x.jsonl}}\noutput: {{dir: {tmp_path}}}\n")
+    proc = _start(["--config", str(run), "--cpu-devices", "8"])
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and stderr.startswith("error: ") and "no config.json" in stderr, stderr

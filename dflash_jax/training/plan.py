@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend import core as jex_core
 from jax.sharding import Mesh
 
 from dflash_jax import sharding
@@ -39,9 +40,6 @@ from dflash_jax.models.draft import DraftModel
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.target import TargetModel
 from dflash_jax.training.step import StepConfig, init_train_state, make_train_step
-
-BATCH_KEYS = ("tokens", "loss_mask", "lengths")
-
 
 def per_device_bytes(tree: Any) -> int:
     """Bytes one device holds of a tree of sharded (abstract) arrays: the largest shard of each leaf."""
@@ -80,9 +78,9 @@ def _flops(compiled: Any) -> float | None:
 
 
 def _sub_jaxprs(value: Any):
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
+    if isinstance(value, jex_core.ClosedJaxpr):
         yield value.jaxpr
-    elif isinstance(value, jax.extend.core.Jaxpr):
+    elif isinstance(value, jex_core.Jaxpr):
         yield value
     elif isinstance(value, (tuple, list)):
         for v in value:
@@ -104,19 +102,17 @@ def matmul_flops(jaxpr: Any) -> tuple[int, bool]:
             shared = math.prod(lhs[d] for d in (*lc, *lb))
             total += 2 * math.prod(lhs) * math.prod(rhs) // max(shared, 1)
             continue
-        subs = [(k, j) for k, v in eqn.params.items() for j in _sub_jaxprs(v)]
-        if not subs:
+        counted = [matmul_flops(j) for v in eqn.params.values() for j in _sub_jaxprs(v)]
+        if not counted:
             continue
-        counted = [(k, matmul_flops(j)) for k, j in subs]
-        exact = exact and all(e for _, (_, e) in counted)
+        flops = [f for f, _ in counted]
+        exact = exact and all(e for _, e in counted) and name != "while"
         if name == "cond":
-            total += max(f for _, (f, _) in counted)
+            total += max(flops)
         elif name == "scan":
-            total += eqn.params["length"] * sum(f for _, (f, _) in counted)
-        else:
-            if name == "while":
-                exact = False
-            total += sum(f for _, (f, _) in counted)
+            total += eqn.params["length"] * sum(flops)
+        else:  # pjit, remat, custom_jvp/vjp calls, shard_map: once (a while loop: at least once)
+            total += sum(flops)
     return total, exact
 
 
