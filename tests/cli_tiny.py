@@ -20,13 +20,14 @@ CHAT_TEMPLATE = (
 
 
 def write_tokenizer(out: Path) -> None:
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.decoder = decoders.Fuse()  # characters decode back to the exact text (no spaces between tokens)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)

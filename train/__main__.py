@@ -2,11 +2,12 @@
 
 import sys
 
-USAGE = """usage: python -m train {regenerate,fit,plan} ...
+USAGE = """usage: python -m train {regenerate,fit,plan,speed} ...
 
   regenerate  the target answers every prompt of a JSONL file with this project's engine (resumable shards)
   fit         train a DFlash draft from a run config (configs/<run>.yaml), with checkpoints and resume
   plan        AOT-compile the train step from abstract shapes and print per-device memory and FLOPs
+  speed       time the train step on real data: tokens/s and the target's share of the step
 
 Each subcommand explains its flags with --help."""
 
@@ -20,12 +21,14 @@ def main(argv: list[str] | None = None) -> int:
         from train.fit import main as run
     elif sub == "plan":
         from train.plan import main as run
+    elif sub == "speed":
+        from train.speed import main as run
     elif sub in ("-h", "--help"):
         print(USAGE)
         return 0
     else:
         print(USAGE, file=sys.stderr)
-        print(f"error: expected a subcommand (regenerate, fit or plan), got {sub!r}", file=sys.stderr)
+        print(f"error: expected a subcommand (regenerate, fit, plan or speed), got {sub!r}", file=sys.stderr)
         return 2
     return run(argv[1:])
 

@@ -33,7 +33,7 @@ from dflash_jax.data.formats import (
     REGENERATE_SETTINGS, Conversation, DataError, Example, PlainText, atomic_write, example_to_row, shard_path,
 )
 from dflash_jax.data.tokenize import plain_prompt_ids
-from dflash_jax.engine.decoder import encode_conversation
+from dflash_jax.engine.decoder import decode_continuation, encode_conversation
 from dflash_jax.engine.sampling import SamplingConfig
 
 FORMAT_VERSION = 1
@@ -225,9 +225,9 @@ def answer_shard(decoder: Any, tokenizer: Any, examples: Sequence[Example], shar
             result = decoder.generate(prompts, max_new_tokens, sampling, stop_tokens,
                                       seed=batch_seed(seed, shard, turn, b // batch_size))
             finished = tokens = 0
-            for (j, _), out in zip(batch, result.tokens):
+            for (j, ids), out in zip(batch, result.tokens):
                 tokens += len(out)
-                answer = tokenizer.decode(out, skip_special_tokens=True)
+                answer = decode_continuation(tokenizer, ids, out)
                 if not answer.strip():
                     _end(j)
                 else:

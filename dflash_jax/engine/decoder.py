@@ -97,3 +97,15 @@ def encode_conversation(tokenizer: Any, messages: list[dict], use_chat_template:
                                              enable_thinking=enable_thinking)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(messages[-1]["content"])["input_ids"])
+
+
+def decode_continuation(tokenizer: Any, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
+    """The text that ``new_ids`` add after ``prompt_ids``. Decoding the new ids alone loses what depends on
+    their left context: a SentencePiece tokenizer drops the leading space of a word-start token ("Lily" +
+    " was" would come back as "Lily" + "was"). So decode both and take the difference; when that is not an
+    extension (a tokenizer that rewrites earlier text), fall back to the new ids alone."""
+    head = tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
+    whole = tokenizer.decode(list(prompt_ids) + list(new_ids), skip_special_tokens=True)
+    if whole.startswith(head):
+        return whole[len(head):]
+    return tokenizer.decode(list(new_ids), skip_special_tokens=True)

@@ -94,16 +94,23 @@ def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, 
     return total
 
 
+def target_features(target: TargetModel, target_params: Any, batch: Batch, feature_layers: tuple[int, ...]):
+    """The frozen target over the clean sequences: the concatenated features of ``feature_layers``, no logits
+    (XLA also drops the layers past the last feature layer), no gradient."""
+    tokens, lengths = batch["tokens"], batch["lengths"]
+    n, length = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (n, length))
+    out = target.apply({"params": target_params}, tokens, positions, valid=positions < lengths[:, None],
+                       feature_layers=feature_layers, skip_logits=True)
+    return jax.lax.stop_gradient(out.features)
+
+
 def batch_loss_sums(draft_params: Any, target_params: Any, batch: Batch, key: jax.Array, row_index: jax.Array,
                     target: TargetModel, draft: DraftModel, cfg: StepConfig) -> LossSums:
     """The frozen target's features of the clean sequences, anchors drawn for each row from
     ``fold_in(key, row_index)``, then the chunked draft loss sums."""
     tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"].astype(bool), batch["lengths"]
-    n, length = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (n, length))
-    out = target.apply({"params": target_params}, tokens, positions, valid=positions < lengths[:, None],
-                       feature_layers=cfg.feature_layers, skip_logits=True)
-    features = jax.lax.stop_gradient(out.features)
+    features = target_features(target, target_params, batch, cfg.feature_layers)
     row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, row_index)
     anchors, valid = jax.vmap(lambda k, m, n_: sample_anchors(k, m, n_, cfg.num_anchors))(row_keys, loss_mask, lengths)
     anchors, valid = anchors[:, 0], valid[:, 0]

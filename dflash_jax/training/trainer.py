@@ -117,14 +117,63 @@ class _Stop:
             signal.signal(signal.SIGTERM, self._old)
 
 
-def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = None, progress: bool = True,
-        log: Callable[[str], None] = print) -> FitResult:
-    """Train (or resume) the run ``cfg`` (``run_config.parse_run_config``).
+@dataclasses.dataclass
+class Run:
+    """Everything a run is built from, prepared once (by ``prepare_run``) for ``fit`` and ``measure_step``."""
 
-    ``tokenized`` (a ``TokenizedData``) skips reading and tokenizing ``data.train``; ``eval_prompts`` are the
-    held-out prompts as token ids (otherwise read from ``data.eval_prompts``).
-    """
-    out_dir = Path(cfg["output"]["dir"])
+    cfg: dict
+    mesh: Any
+    dtype: Any
+    target_config: TargetConfig
+    target_params: dict
+    draft_config: DraftConfig
+    init_params: Any  # the draft's starting params (host), new or from draft.init
+    tokenized: Any  # TokenizedData
+    eval_prompts: list[list[int]] | None
+    step_cfg: StepConfig
+    optimizer: Any
+    schedule: Any
+    total_steps: int
+    fingerprint: dict  # what a resume must not change
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg["train"]["global_batch"]
+
+    def abstract_state(self) -> TrainState:
+        return jax.eval_shape(lambda p: init_train_state(p, self.optimizer, self.cfg["train"]["seed"]),
+                              self.init_params)
+
+    def initial_state(self, state_shardings) -> TrainState:
+        return jax.jit(lambda p: init_train_state(p, self.optimizer, self.cfg["train"]["seed"]),
+                       out_shardings=state_shardings)(self.init_params)
+
+    def batches(self) -> BatchIterator:
+        data = self.tokenized
+        return BatchIterator(make_dataset(
+            {"tokens": data.tokens, "loss_mask": data.loss_mask, "lengths": data.lengths}, self.global_batch,
+            seed=self.cfg["train"]["seed"], epochs=self.cfg["train"]["epochs"], process_index=jax.process_index(),
+            process_count=jax.process_count()))
+
+    def jitted_step(self, state_shardings):
+        """The train step jitted with the rule shardings and the train state donated."""
+        target = TargetModel(self.target_config, self.dtype)
+        draft = DraftModel(self.draft_config, self.dtype)
+        step_fn = make_train_step(target, draft, self.step_cfg, self.optimizer, self.schedule)
+        target_sh = jax.tree.map(lambda x: x.sharding, self.target_params)
+        batch_sh = {k: sharding.batch_sharding(self.mesh, 2 if k != "lengths" else 1)
+                    for k in ("tokens", "loss_mask", "lengths")}
+        return jax.jit(step_fn, in_shardings=(state_shardings, target_sh, batch_sh),
+                       out_shardings=(state_shardings, sharding.replicated(self.mesh)), donate_argnums=(0,))
+
+    def global_batch_of(self, local: dict) -> dict:
+        return sharding.global_batch_from_local(local, self.mesh, self.global_batch)
+
+
+def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = None,
+                log: Callable[[str], None] = print) -> Run:
+    """Mesh, target (loaded into its shardings), draft config and starting params, tokenized data, held-out
+    prompts, step settings, optimizer and the resume fingerprint of the run ``cfg``."""
     mesh = sharding.make_mesh(cfg["mesh"])
     dtype = compute_dtype(cfg["train"]["dtype"])
     log(f"mesh {dict(mesh.shape)} over {jax.device_count()} {jax.default_backend()} device(s), "
@@ -160,7 +209,6 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
                           f"of {global_batch} (train.global_batch)")
     optimizer, schedule = make_optimizer(t["learning_rate"], total_steps, t["warmup_ratio"], t["clip_norm"],
                                          t["weight_decay"], min_lr_ratio=t["min_lr_ratio"])
-
     fingerprint = {
         "draft": draft_config.to_official_dict(), "step": {k: (list(v) if isinstance(v, tuple) else v)
                                                           for k, v in dataclasses.asdict(step_cfg).items()},
@@ -170,35 +218,38 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
                                         "clip_norm")} | {"total_steps": total_steps},
         "target": {"config": target_config.to_hf_dict(), "dtype": jnp.dtype(dtype).name},
     }
+    if init_params is None:
+        init_params = init_draft_params(draft_config, seed=t["seed"], std=float(cfg["draft"]["init_std"]))
+    return Run(cfg, mesh, dtype, target_config, target_params, draft_config, init_params, tokenized, eval_prompts,
+               step_cfg, optimizer, schedule, total_steps, fingerprint)
 
-    params = init_params if init_params is not None else init_draft_params(
-        draft_config, seed=t["seed"], std=float(cfg["draft"]["init_std"]))
+
+def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = None, progress: bool = True,
+        log: Callable[[str], None] = print) -> FitResult:
+    """Train (or resume) the run ``cfg`` (``run_config.parse_run_config``).
+
+    ``tokenized`` (a ``TokenizedData``) skips reading and tokenizing ``data.train``; ``eval_prompts`` are the
+    held-out prompts as token ids (otherwise read from ``data.eval_prompts``).
+    """
+    run = prepare_run(cfg, tokenized=tokenized, eval_prompts=eval_prompts, log=log)
+    out_dir = Path(cfg["output"]["dir"])
+    mesh, dtype, target_params, draft_config = run.mesh, run.dtype, run.target_params, run.draft_config
+    target_config, eval_prompts, total_steps = run.target_config, run.eval_prompts, run.total_steps
+    fingerprint, global_batch = run.fingerprint, run.global_batch
     with jax.set_mesh(mesh):
-        abstract_state = jax.eval_shape(lambda p: init_train_state(p, optimizer, t["seed"]), params)
+        abstract_state = run.abstract_state()
         state_sh = sharding.tree_shardings(abstract_state, mesh)
         ckpts = TrainCheckpoints(out_dir / "checkpoints", keep=cfg["output"]["keep"])
         restored = ckpts.restore_latest(abstract_like(abstract_state, state_sh), fingerprint)
-        dataset = make_dataset({"tokens": tokenized.tokens, "loss_mask": tokenized.loss_mask,
-                                "lengths": tokenized.lengths}, global_batch, seed=t["seed"], epochs=t["epochs"],
-                               process_index=jax.process_index(), process_count=jax.process_count())
-        batches = BatchIterator(dataset)
+        batches = run.batches()
         if restored is None:
-            state = jax.jit(lambda p: init_train_state(p, optimizer, t["seed"]), out_shardings=state_sh)(params)
+            state = run.initial_state(state_sh)
             start = 0
         else:
             start, state, data_state = restored
             batches.restore(data_state)
             log(f"resumed from {ckpts.directory} at step {start}")
-        del params, init_params
-
-        target = TargetModel(target_config, dtype)
-        draft = DraftModel(draft_config, dtype)
-        step_fn = make_train_step(target, draft, step_cfg, optimizer, schedule)
-        target_sh = jax.tree.map(lambda x: x.sharding, target_params)
-        batch_sh = {k: sharding.batch_sharding(mesh, 2 if k != "lengths" else 1)
-                    for k in ("tokens", "loss_mask", "lengths")}
-        train_step = jax.jit(step_fn, in_shardings=(state_sh, target_sh, batch_sh),
-                             out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=(0,))
+        train_step = run.jitted_step(state_sh)
 
         logger = MetricsLogger(out_dir, enabled=jax.process_index() == 0)
         log_every, save_every = cfg["output"]["log_every"], cfg["output"]["save_every"]
@@ -213,7 +264,7 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
             window_t, window_tokens, window_steps = time.perf_counter(), 0.0, 0
             while step < total_steps:
                 local = next(batches)
-                batch = sharding.global_batch_from_local(local, mesh, global_batch)
+                batch = run.global_batch_of(local)
                 state, m = train_step(state, target_params, batch)
                 step += 1
                 window_steps += 1
@@ -351,3 +402,38 @@ def param_count(tree: Any) -> int:
 def write_json(path: Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2))
+
+
+def measure_step(run: Run, steps: int = 10) -> dict:
+    """Time the train step and, on the same batches, the frozen target's feature pass alone (the step's
+    first part): tokens/s of training and the share of the step the target takes. Nothing is saved."""
+    from dflash_jax.training.step import target_features
+
+    with jax.set_mesh(run.mesh):
+        state_sh = sharding.tree_shardings(run.abstract_state(), run.mesh)
+        state = run.initial_state(state_sh)
+        train_step = run.jitted_step(state_sh)
+        target = TargetModel(run.target_config, run.dtype)
+        features = jax.jit(lambda p, b: target_features(target, p, b, run.step_cfg.feature_layers))
+        batches = run.batches()
+        batch = run.global_batch_of(next(batches))
+        state, _ = train_step(state, run.target_params, batch)  # compile and warm up both programs
+        jax.block_until_ready(features(run.target_params, batch))
+        step_s, target_s, tokens = [], [], 0.0
+        for _ in range(steps):
+            local = next(batches)
+            batch = run.global_batch_of(local)
+            t0 = time.perf_counter()
+            jax.block_until_ready(features(run.target_params, batch))
+            target_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            state, m = train_step(state, run.target_params, batch)
+            jax.block_until_ready(m)
+            step_s.append(time.perf_counter() - t0)
+            tokens += float(np.sum(local["lengths"])) * jax.process_count()
+    step, tgt = float(np.median(step_s)), float(np.median(target_s))
+    return {"steps": steps, "step_s": step, "target_features_s": tgt, "target_share": tgt / step,
+            "tokens_per_s": tokens / float(np.sum(step_s)), "global_batch": run.global_batch,
+            "max_length": run.tokenized.max_length, "num_anchors": run.step_cfg.num_anchors,
+            "block_size": run.step_cfg.block_size, "draft_params": param_count(run.init_params),
+            "target_params": param_count(run.target_params)}

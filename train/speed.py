@@ -1,0 +1,52 @@
+"""``python -m train speed --config configs/<run>.yaml [--steps 10]``: how fast the train step runs here.
+
+Builds the run exactly as 'python -m train fit' would (same target, data, mesh and step), then times N steps
+and, on the same batches, the frozen target's feature pass alone. Prints training tokens/s and the share of
+the step that the target takes (the rest is the draft's forward, backward and the optimizer). Writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from infer.cli import Parser, run_cli
+from train.fit import add_device_args, setup_devices
+
+PROG = "python -m train speed"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, metavar="FILE", help="the run config YAML (see configs/runs/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.global_batch=8 (repeatable)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps after one warm-up step (default 10)")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    add_device_args(parser)
+    return parser
+
+
+def speed_main(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    setup_devices(args)
+    from dflash_jax.training.run_config import load_run_config
+    from dflash_jax.training.trainer import measure_step, prepare_run
+
+    cfg = load_run_config(args.config, args.overrides)
+    out = measure_step(prepare_run(cfg, log=lambda _: None), args.steps)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"train step: {out['step_s'] * 1e3:.1f} ms (median of {out['steps']}), {out['tokens_per_s']:.0f} tokens/s "
+          f"(global batch {out['global_batch']} x {out['max_length']} tokens, {out['num_anchors']} anchors, "
+          f"block {out['block_size']})")
+    print(f"target features alone: {out['target_features_s'] * 1e3:.1f} ms = {out['target_share']:.0%} of the step; "
+          f"draft forward + backward + optimizer: the other {1 - out['target_share']:.0%}")
+    print(f"params: target {out['target_params']:,}, draft {out['draft_params']:,}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser(), speed_main, argv)
