@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer, tokenizer_dir
 from dflash_jax.engine.bench import read_jsonl, read_text_file
-from dflash_jax.engine.decoder import Decoder, encode_conversation, stop_tokens_of
+from dflash_jax.engine.decoder import Decoder, decode_continuation, encode_conversation, stop_tokens_of
 from dflash_jax.engine.generate import GenerationResult
 from dflash_jax.engine.sampling import SamplingConfig
 from infer.cli import Parser, UsageError, run_cli
@@ -19,10 +19,12 @@ from infer.cli import Parser, UsageError, run_cli
 PROG = "python -m infer"
 
 
-def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False) -> None:
-    parser.add_argument("--target", required=True, metavar="DIR",
+def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, demo_default: bool = False) -> None:
+    parser.add_argument("--target", required=not demo_default, metavar="DIR",
                         help="the target model: a Hugging Face directory (config.json + safetensors + tokenizer) "
-                             "or an Orbax checkpoint written by 'python -m infer convert'")
+                             "or an Orbax checkpoint written by 'python -m infer convert'"
+                             + ("; without --target and --ckpt: the shipped demo pair (stories260K and its "
+                                "trained draft)" if demo_default else ""))
     parser.add_argument("--ckpt", required=need_draft, metavar="DIR",
                         help="the DFlash draft: an official draft directory (config.json + model.safetensors) or "
                              "an Orbax checkpoint" + ("" if need_draft else
@@ -58,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Exit codes: 0 success, 2 bad arguments, files or prompts (one 'error: ...' line on stderr).",
     )
-    add_model_args(parser)
+    add_model_args(parser, demo_default=True)
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                         help="a prompt (repeat for a batch)")
     parser.add_argument("--prompt-file", metavar="FILE",
@@ -112,7 +114,14 @@ def read_prompt_file(path: Path) -> list[str]:
 
 
 def load_decoder(args: argparse.Namespace, need_draft: bool = True):
-    """Target, draft and tokenizer from the common flags; returns (decoder, tokenizer, stop_tokens)."""
+    """Target, draft and tokenizer from the common flags; returns (decoder, tokenizer, stop_tokens). No
+    --target at all means the shipped demo pair."""
+    if args.target is None:
+        if args.ckpt:
+            raise UsageError("--ckpt needs its --target")
+        from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET
+
+        args.target, args.ckpt = str(DEMO_TARGET), str(DEMO_DRAFT)
     target_path = Path(args.target)
     target_config, target_params = load_target_any(target_path, dtype=args.dtype, progress=True)
     tok_dir = Path(args.tokenizer) if args.tokenizer else tokenizer_dir(target_path)
@@ -160,11 +169,11 @@ class TextStream:
     U+FFFD until its last byte arrives: hold back until then, and only ever print what extends the text
     already shown."""
 
-    def __init__(self, tokenizer, out=None):
-        self.tokenizer, self.out, self.shown = tokenizer, out, ""
+    def __init__(self, tokenizer, prompt_ids: list[int], out=None):
+        self.tokenizer, self.prompt_ids, self.out, self.shown = tokenizer, prompt_ids, out, ""
 
     def __call__(self, rows: list[list[int]]) -> None:
-        text = self.tokenizer.decode(rows[0], skip_special_tokens=True)
+        text = decode_continuation(self.tokenizer, self.prompt_ids, rows[0])
         if text.endswith("\ufffd") or not text.startswith(self.shown):
             return
         print(text[len(self.shown):], end="", file=self.out or sys.stdout, flush=True)
@@ -183,7 +192,7 @@ def generate_main(args: argparse.Namespace) -> int:
     decoder, tokenizer, stops = load_decoder(args, need_draft=not args.baseline)
     ids = [encode_conversation(tokenizer, [{"role": "user", "content": p}], args.chat_template) for p in prompts]
 
-    on_tokens = TextStream(tokenizer) if args.stream and not args.json else None
+    on_tokens = TextStream(tokenizer, ids[0]) if args.stream and not args.json else None
     dflash = None
     if decoder.has_draft:
         dflash = decoder.generate(ids, args.max_new_tokens, sampling, stops, seed=args.seed, on_tokens=on_tokens)
@@ -197,7 +206,7 @@ def generate_main(args: argparse.Namespace) -> int:
     summary = summarize(dflash, baseline)
     rows = []
     for i, p in enumerate(prompts):
-        row = {"prompt": p, "text": tokenizer.decode(main_result.tokens[i], skip_special_tokens=True),
+        row = {"prompt": p, "text": decode_continuation(tokenizer, ids[i], main_result.tokens[i]),
                "tokens": main_result.tokens[i]}
         if dflash is not None:
             row["accept_lengths"] = dflash.accept_lengths[i]

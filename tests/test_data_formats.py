@@ -321,3 +321,26 @@ def test_tokenized_data_save_load_and_fingerprint(char_tokenizer, tmp_path):
         with pytest.raises(DataError, match=message) as err:
             TokenizedData.load(bad)
         assert str(bad) in str(err.value)
+
+
+def test_opening_split_never_replays_a_training_start(tmp_path):
+    from dflash_jax.data.openings import make_opening_prompts, split_openings
+
+    words = ["Lily", "Lily went", "Lily went home", "Tom", "Tom ran", "A cat", "A dog", "The sun", "The sun was"]
+    openings = [w for w in words for _ in range(2)]  # duplicates collapse
+    for seed in range(10):
+        train, held = split_openings(openings, 3, seed)
+        assert len(held) == 3 and len(set(held)) == 3 and not set(train) & set(held)
+        for t in train:  # brute force over all pairs
+            for h in held:
+                assert not t.startswith(h) and not h.startswith(t), (t, h)
+        assert set(train) | set(held) <= set(words)
+    with pytest.raises(DataError, match="cannot give 9 held-out"):
+        split_openings(words, 9)
+    src = tmp_path / "raw.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": w.split()[0]},
+                                                    {"role": "assistant", "content": w[len(w.split()[0]):] or "!"}]})
+                           + "\n" for w in words))
+    stats = make_opening_prompts(src, tmp_path / "out", held_out=2)
+    assert stats["held_out"] == 2 and stats["read"] == len(words)
+    assert len((tmp_path / "out" / "heldout.jsonl").read_text().splitlines()) == 2

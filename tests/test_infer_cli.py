@@ -2,14 +2,17 @@
 error handling (one clear line, exit code 2)."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from cli_tiny import write_tiny_pair
-from conftest import shared_file
 from infer.__main__ import main
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +84,21 @@ def test_help_explains_flags(capsys):
         assert flag in out
 
 
-def test_demo_on_stories260k(tmp_path):
-    shared_file("stories260K", "stories260K.bin")
-    proc = subprocess.run([sys.executable, "-m", "infer", "demo", "--work", str(tmp_path)], capture_output=True,
-                          text=True, timeout=300)
+def test_demo_with_the_shipped_pair_runs_offline(tmp_path):
+    """The README's first command, from a folder with no ../shared beside it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "infer", "demo", "--max-new-tokens", "64", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
-    assert "DFlash output identical to the baseline: True" in proc.stdout
-    assert "identical to llama2.c's expected text:  True" in proc.stdout
+    assert "identical to the baseline: True" in proc.stdout
+    assert "tau" in proc.stdout and "speedup" in proc.stdout
+
+
+def test_generate_without_target_uses_the_shipped_pair(capsys):
+    doc = run_json(capsys, ["--prompt", "Once upon a time", "--max-new-tokens", "24", "--baseline"])
+    row = doc["results"][0]
+    assert row["matches_baseline"] and len(row["tokens"]) == 24
+    assert row["text"].startswith((" ", ",", "."))  # a continuation of the prompt, spacing kept
 
 
 def test_nothing_decoded_after_prefill_gives_no_speedup_not_a_crash(pair, capsys):
@@ -107,9 +118,10 @@ def test_stream_waits_for_complete_characters():
         def decode(self, ids, skip_special_tokens=True):
             return bytes(ids).decode("utf-8", errors="replace")
 
+    prompt = list("é".encode())  # the prompt is decoded with the answer, then cut off
     ids = list("日本".encode())
     out = io.StringIO()
-    stream = TextStream(ByteTokenizer(), out)
+    stream = TextStream(ByteTokenizer(), prompt, out)
     for n in (2, 4, len(ids)):
         stream([ids[:n]])
     assert out.getvalue() == "日本"

@@ -1,4 +1,4 @@
-"""A short real training run on stories260K (llama2.c's real pretrained model; skipped without ../shared/data):
+"""A short real training run on stories260K (llama2.c's real pretrained model, the copy shipped in the package):
 the target writes its own stories (regenerate, temperature 1), a 1-layer draft trains for 120 steps, the loss
 falls and the engine's real tau on held-out openings rises above that of the same draft untrained.
 
@@ -6,10 +6,7 @@ At this length the draft learns what is cheap first (the frequent tokens; run lo
 docs/training.md), so the margins asserted are modest: loss -0.15 nats, tau +0.01 over untrained (measured
 here: loss 5.24 -> 4.87, tau 1.000 -> 1.076)."""
 
-import pytest
-
-from conftest import shared_file
-from dflash_jax.checkpoints.llama2c import convert_llama2c
+from dflash_jax.assets import DEMO_TARGET
 from dflash_jax.checkpoints.loading import load_tokenizer
 from dflash_jax.checkpoints.hf_target import load_target
 from dflash_jax.data.formats import Conversation
@@ -25,8 +22,7 @@ HELD_OUT = ["The big dog", "Mia and Ben", "In the park,", "It was a sunny"]
 
 
 def test_short_run_lowers_loss_and_raises_real_tau(tmp_path):
-    target_dir = convert_llama2c(shared_file("stories260K", "stories260K.bin"),
-                                 shared_file("stories260K", "tok512.model"), tmp_path / "target")
+    target_dir = DEMO_TARGET
     tokenizer = load_tokenizer(target_dir)
     target_config, target_params = load_target(target_dir)
     examples = [Conversation(({"role": "user", "content": OPENINGS[i % len(OPENINGS)]},)) for i in range(128)]
