@@ -255,3 +255,22 @@ def test_gradient_flows_to_draft_params_only(bundle):
         g = functools.reduce(lambda d, k: d[k], path, grads)
         assert np.abs(np.asarray(g)).max() > 0, path
     assert not np.asarray(shared_grads.embedding).any() and not np.asarray(shared_grads.head_kernel).any()
+
+
+def test_uniform_anchors_vs_brute_force():
+    from dflash_jax.training.anchors import uniform_anchors
+
+    rng = np.random.default_rng(5)
+    lengths = np.array([24, 17, 9, 24])
+    masks = random_masks(rng, 4, L, lengths)
+    masks[3] = 0
+    for block, num in ((4, 3), (3, 8), (8, 2)):
+        anchors, valid = map(np.asarray, jax.jit(uniform_anchors, static_argnums=(2, 3))(masks, lengths, num, block))
+        for r in range(4):
+            elig = brute_eligible(masks[r], lengths[r])
+            want = []
+            if elig:
+                p = min(elig)
+                want = [p + block * j for j in range(num) if p + block * j in elig]
+            assert anchors[r][valid[r]].tolist() == want, (r, block, num)
+            assert not anchors[r][~valid[r]].any()

@@ -57,6 +57,20 @@ def sample_anchors(key: jax.Array, loss_mask: jax.Array, lengths, num_anchors: i
     return jnp.where(valid, idx, 0).astype(jnp.int32), valid
 
 
+def uniform_anchors(loss_mask: jax.Array, lengths, num_anchors: int, block_size: int) -> tuple[jax.Array, jax.Array]:
+    """The ablation baseline of random anchors: non-overlapping blocks laid end to end from the first
+    eligible position (``p0, p0 + B, p0 + 2B, ...``), each kept if eligible, at most ``num_anchors``. Same
+    outputs as ``sample_anchors`` (ascending, valid first, invalid at 0)."""
+    elig = eligible_anchors(loss_mask, lengths)
+    n, length = elig.shape
+    first = jnp.argmax(elig, axis=1)  # 0 when nothing is eligible (then nothing below is valid either)
+    grid = first[:, None] + block_size * jnp.arange(num_anchors)[None]
+    valid = jnp.take_along_axis(jnp.pad(elig, ((0, 0), (0, 1))), jnp.minimum(grid, length), axis=1)
+    order = jnp.argsort(~valid, axis=1, stable=True)  # keep ascending order, valid ones first
+    grid, valid = jnp.take_along_axis(grid, order, axis=1), jnp.take_along_axis(valid, order, axis=1)
+    return jnp.where(valid, grid, 0).astype(jnp.int32), valid
+
+
 def block_labels(tokens: jax.Array, loss_mask: jax.Array, lengths, anchors: jax.Array, valid: jax.Array,
                  block_size: int, *, mask_token_id: int):
     """The packed blocks and their labels.

@@ -51,6 +51,8 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "anchor_chunk": (64, (int,), "anchors per rematerialised chunk (memory vs speed)"),
         "gamma": (None, (float, int), "loss decay exp(-(k-1)/gamma) (default: 7 for B=16, 5 for 10, 4 for 8)"),
         "uniform_loss": (False, (bool,), "ablation: equal weight for every block position"),
+        "anchors": ("random", (str,), "random (fresh distinct anchors every step) or uniform (ablation: "
+                                      "non-overlapping blocks end to end)"),
         "learning_rate": (6e-4, (float, int), "peak AdamW learning rate"),
         "warmup_ratio": (0.04, (float, int), "share of the steps spent warming up linearly"),
         "min_lr_ratio": (0.0, (float, int), "final learning rate of the cosine decay, relative to the peak"),
@@ -130,6 +132,8 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
                           f"train.accum_steps {train['accum_steps']}")
     if out["train"]["dtype"] not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"{source}: train.dtype must be auto, float32 or bfloat16, got {train['dtype']!r}")
+    if train["anchors"] not in ("random", "uniform"):
+        raise ConfigError(f"{source}: train.anchors must be random or uniform, got {train['anchors']!r}")
     if out["draft"]["block_size"] < 2:
         raise ConfigError(f"{source}: draft.block_size must be at least 2, got {out['draft']['block_size']}")
     train_files = out["data"]["train"]

@@ -28,7 +28,7 @@ import optax
 
 from dflash_jax.models.draft import DraftModel, SharedHead, shared_head
 from dflash_jax.models.target import TargetModel
-from dflash_jax.training.anchors import block_labels, sample_anchors
+from dflash_jax.training.anchors import block_labels, sample_anchors, uniform_anchors
 from dflash_jax.training.forward import _block_hidden, _context_kv, frozen
 from dflash_jax.training.loss import LossSums, block_loss_sums, loss_and_metrics
 
@@ -47,6 +47,7 @@ class StepConfig:
     anchor_chunk: int = 64  # anchors per rematerialised chunk: bounds the draft's activation memory
     accum_steps: int = 1  # gradient-accumulation micro-steps per optimizer step (same global batch)
     tied_head: bool = False  # the target ties its output head to its embedding
+    anchors: str = "random"  # "random" (the paper's) or "uniform" (non-overlapping blocks: the ablation)
 
 
 @flax.struct.dataclass
@@ -111,9 +112,13 @@ def batch_loss_sums(draft_params: Any, target_params: Any, batch: Batch, key: ja
     ``fold_in(key, row_index)``, then the chunked draft loss sums."""
     tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"].astype(bool), batch["lengths"]
     features = target_features(target, target_params, batch, cfg.feature_layers)
-    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, row_index)
-    anchors, valid = jax.vmap(lambda k, m, n_: sample_anchors(k, m, n_, cfg.num_anchors))(row_keys, loss_mask, lengths)
-    anchors, valid = anchors[:, 0], valid[:, 0]
+    if cfg.anchors == "uniform":
+        anchors, valid = uniform_anchors(loss_mask, lengths, cfg.num_anchors, cfg.block_size)
+    else:
+        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, row_index)
+        anchors, valid = jax.vmap(lambda k, m, n_: sample_anchors(k, m, n_, cfg.num_anchors))(
+            row_keys, loss_mask, lengths)
+        anchors, valid = anchors[:, 0], valid[:, 0]
     block_tokens, block_positions, labels, label_mask = block_labels(
         tokens, loss_mask, lengths, anchors, valid, cfg.block_size, mask_token_id=cfg.mask_token_id)
     shared = shared_head(target_params, cfg.tied_head)

@@ -199,7 +199,7 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
     step_cfg = StepConfig(block_size=block, gamma=gamma, mask_token_id=draft_config.mask_token_id,
                           feature_layers=draft_config.target_layer_ids, num_anchors=t["num_anchors"],
                           anchor_chunk=t["anchor_chunk"], accum_steps=t["accum_steps"],
-                          tied_head=target_config.tie_word_embeddings)
+                          tied_head=target_config.tie_word_embeddings, anchors=t["anchors"])
     global_batch = t["global_batch"]
     num_rows = len(tokenized.lengths)
     epoch_steps = steps_per_run(num_rows, global_batch, t["epochs"])
