@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash_jax.engine.bench import DATASETS, load_datasets, markdown_table, run_bench, write_report
 from infer.cli import Parser, UsageError, run_cli
-from infer.run import add_model_args, add_sampling_args, load_decoder, sampling_of
+from infer.run import add_model_args, add_sampling_args, load_decoder, read_prompt_file, sampling_of
 
 PROG = "python -m infer bench"
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
@@ -41,8 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(parser, need_draft=True)
     parser.add_argument("--prompts-dir", default=str(DEFAULT_PROMPTS), metavar="DIR",
                         help="folder holding the prompt files (default: ../shared/data/prompts next to the repo)")
-    parser.add_argument("--datasets", default=",".join(DATASETS), metavar="LIST",
-                        help=f"comma-separated datasets to run (default: all of {','.join(DATASETS)})")
+    parser.add_argument("--datasets", default=None, metavar="LIST",
+                        help=f"comma-separated datasets to run (default: all of {','.join(DATASETS)}, or none when "
+                             "--prompt-file is given)")
+    parser.add_argument("--prompt-file", action="append", default=[], metavar="FILE",
+                        help="also run your own prompts (repeatable): .txt (one per line), .json (a list) or .jsonl "
+                             "(objects with 'prompt', 'question', ...); each file is a dataset named after it")
     parser.add_argument("--max-samples", type=int, default=10, metavar="N",
                         help="samples per dataset, the first N in file order (default 10; 0 = the whole set)")
     add_sampling_args(parser)
@@ -74,15 +78,23 @@ def parse_datasets(text: str) -> list[str]:
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    names = parse_datasets(args.datasets)
+    names = [] if args.datasets is None and args.prompt_file else parse_datasets(args.datasets or ",".join(DATASETS))
     if args.max_samples < 0:
         raise UsageError(f"--max-samples must be >= 0, got {args.max_samples}")
     sampling = sampling_of(args)
     prompts_dir = Path(args.prompts_dir)
-    if not prompts_dir.is_dir():
-        raise FileNotFoundError(f"prompts directory not found: {prompts_dir} (pass --prompts-dir)")
     # Read every prompt file before loading any model, so a bad file fails fast.
-    datasets = load_datasets(prompts_dir, names, args.max_samples or None)
+    datasets = {}
+    if names:
+        if not prompts_dir.is_dir():
+            raise FileNotFoundError(f"prompts directory not found: {prompts_dir} (pass --prompts-dir)")
+        datasets = load_datasets(prompts_dir, names, args.max_samples or None)
+    for f in args.prompt_file:
+        name = Path(f).name.split(".")[0]
+        if name in datasets:
+            raise UsageError(f"--prompt-file {f}: a dataset named {name!r} is already in the run")
+        datasets[name] = [[p] for p in read_prompt_file(Path(f))][: args.max_samples or None]
+        names.append(name)
 
     decoder, tokenizer, stops = load_decoder(args, need_draft=True)
     n = sum(len(s) for s in datasets.values())

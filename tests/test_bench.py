@@ -353,3 +353,24 @@ def test_bench_on_a_tiny_hf_target_with_chat_template(tmp_path, capsys):
     assert all(s["identical"] == 1.0 and 1 <= s["tau"] <= 8 for s in doc["summary"].values())
     first, second = [r for r in doc["turns"] if r["dataset"] == "mt-bench"]
     assert second["prompt_tokens"] > first["prompt_tokens"] + first["dflash"]["tokens"] - 1
+
+
+def test_bench_on_a_prompt_file(tmp_path):
+    """--prompt-file runs your own prompts (here: story openings on the shipped stories260K) as a dataset."""
+    from dflash_jax.assets import DEMO_TARGET
+    from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft
+    from dflash_jax.models.config import TargetConfig
+    from dflash_jax.models.draft_config import DraftConfig
+
+    config = DraftConfig.for_target(TargetConfig.from_json(DEMO_TARGET / "config.json"), num_layers=1,
+                                    block_size=BLOCK, mask_token_id=0)
+    draft = save_draft(config, init_draft_params(config, seed=0), tmp_path / "draft")
+    prompts = tmp_path / "openings.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Once upon a time", "Tom had a"]))
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = bench_cli.main(["--target", str(DEMO_TARGET), "--ckpt", str(draft), "--prompt-file", str(prompts),
+                             "--max-new-tokens", "12", "--no-chat-template", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert list(doc["summary"]) == ["openings"] and doc["summary"]["openings"]["samples"] == 2
+    assert doc["summary"]["openings"]["identical"] == 1.0
