@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
               python -m infer bench ...    the paper's benchmark protocol on the prompt sets
               python -m infer speed ...    per-round timings and the speedup bound on this machine
               python -m infer convert ...  official/Hugging Face directories <-> Orbax
-              python -m infer demo         stories260K end to end (needs ../shared/data)
+              python -m infer demo         the shipped stories260K pair: DFlash vs baseline, offline
             Without a subcommand: generate for --prompt / --prompt-file."""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Exit codes: 0 success, 2 bad arguments, files or prompts (one 'error: ...' line on stderr).",
