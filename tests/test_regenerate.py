@@ -231,3 +231,21 @@ def test_prompt_too_long_ends_the_conversation(setup, tmp_path):
     rows = read_examples(tmp_path / "short" / "shard-00000.jsonl")[0] + \
         read_examples(tmp_path / "short" / "shard-00001.jsonl")[0]
     assert len(rows) == 5 and [m["role"] for m in rows[3].messages] == ["system", "user", "assistant"]
+
+
+def test_multi_turn_without_template_answers_from_the_training_context(setup, tmp_path):
+    """Without a chat template a later turn is answered from the whole conversation so far, joined as training
+    renders it, so the trained answer follows exactly the ids the target answered from."""
+    _, _, _, decoder, tokenizer, stops = setup
+    conv = Conversation(({"role": "user", "content": "ab"}, {"role": "assistant", "content": "x"},
+                         {"role": "user", "content": "cd"}))
+    out = tmp_path / "plain"
+    run(setup, out, examples=[conv], use_chat_template=False)
+    row, = [json.loads(line) for line in (out / "shard-00000.jsonl").read_text().splitlines()]
+    first, second = row["messages"][1]["content"], row["messages"][3]["content"]
+    assert first == greedy_answer(decoder, tokenizer, stops, plain_prompt_ids(tokenizer, "ab"))
+    assert second == greedy_answer(decoder, tokenizer, stops, plain_prompt_ids(tokenizer, "ab" + first + "cd"))
+    data = tokenize_examples(tokenizer, read_examples(out)[0], 64, use_chat_template=False)
+    ids, mask = data.tokens[0][: data.lengths[0]].tolist(), data.loss_mask[0][: data.lengths[0]].tolist()
+    start = mask.index(True, len(plain_prompt_ids(tokenizer, "ab" + first)) + 1)
+    assert ids[:start] == plain_prompt_ids(tokenizer, "ab" + first + "cd")

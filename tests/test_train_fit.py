@@ -166,6 +166,15 @@ def test_bad_input_is_one_error_line(tiny, tmp_path, capsys):
     empty.write_text(json.dumps({"prompt": "abc"}) + "\n")
     assert "prompts_only.jsonl" in error_of(capsys, base + ["--set", f"data.train={empty}"])
     assert "has a token to train on" in error_of(capsys, base + ["--set", "data.max_length=2"])
+    assert "output.export_dtype must be" in error_of(capsys, base + ["--set", "output.export_dtype=int8"])
+    assert "train.seed must be below 2**32" in error_of(capsys, base + ["--set", "train.seed=4294967296"])
+    assert "must be a finite number" in error_of(capsys, base + ["--set", "train.learning_rate=.inf"])
+    init = error_of(capsys, base + ["--set", f"draft.init={root / 'draft'}"])
+    assert "cannot be combined with draft.init" in init and "draft.num_layers" in init
+    long_eval = tmp_path / "long.jsonl"
+    long_eval.write_text(json.dumps({"prompt": "a" * 600}) + "\n")
+    msg = error_of(capsys, base + ["--set", f"data.eval_prompts={long_eval}"])
+    assert "data.eval_prompts" in msg and "max_position_embeddings" in msg
 
 
 def test_unreadable_latest_checkpoint_falls_back_to_the_previous(tiny, recwarn):

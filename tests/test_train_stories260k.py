@@ -14,11 +14,12 @@ from dflash_jax.data.regenerate import first_prompt_ids, regenerate
 from dflash_jax.engine.decoder import Decoder
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.training.run_config import parse_run_config
-from dflash_jax.training.trainer import build_draft_config, evaluate_tau, fit
+from dflash_jax.training.trainer import build_draft_config, evaluate_tau, fit, prepare_run
 from dflash_jax.checkpoints.official_draft import init_draft_params
 
 OPENINGS = ["Once upon a time", "One day", "Lily", "Tom was", "There was a", "The sun", "A little", "Sam"]
-HELD_OUT = ["The big dog", "Mia and Ben", "In the park,", "It was a sunny"]
+HELD_OUT = ["The big dog", "Mia and Ben", "In the park,", "It was a sunny", "Grandma", "Two birds", "Jack had",
+            "Every morning"]
 
 
 def test_short_run_lowers_loss_and_raises_real_tau(tmp_path):
@@ -39,13 +40,12 @@ def test_short_run_lowers_loss_and_raises_real_tau(tmp_path):
         "train": {"epochs": 15, "global_batch": 16, "num_anchors": 16, "anchor_chunk": 16,
                   "learning_rate": 1e-2, "warmup_ratio": 0.1},
         "output": {"dir": str(tmp_path / "run"), "log_every": 10, "save_every": 1000, "eval_max_new_tokens": 64,
-                   "eval_num_prompts": 4},
+                   "eval_num_prompts": 8},
     }, "test")
     prompts = [first_prompt_ids(tokenizer, Conversation(({"role": "user", "content": h},)), False)
                for h in HELD_OUT]
-    draft_config, _ = build_draft_config(cfg, target_config)
-    untrained = evaluate_tau(cfg, target_config, target_params, draft_config,
-                             init_draft_params(draft_config, seed=0, std=0.02), prompts, "float32")
+    untrained = evaluate_tau(prepare_run(cfg, eval_prompts=prompts, log=lambda _: None),
+                             init_draft_params(build_draft_config(cfg, target_config)[0], seed=0, std=0.02))
     logs = []
     result = fit(cfg, eval_prompts=prompts, progress=False, log=logs.append)
     assert result.steps == 120

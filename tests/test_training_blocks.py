@@ -97,7 +97,8 @@ def test_block_labels_vs_brute_force():
             for k in range(B):
                 want[0][n, i, k] = tokens[n, a] if k == 0 else mask_id
                 want[1][n, i, k] = a + k
-                if valid[n, i] and k >= 1 and a + k < lengths[n] and masks[n, a + k] == 1:
+                run = all(a + j < lengths[n] and masks[n, a + j] == 1 for j in range(1, k + 1))
+                if valid[n, i] and k >= 1 and run:
                     want[2][n, i, k] = tokens[n, a + k]
                     want[3][n, i, k] = True
     for g, w in zip(got, want):

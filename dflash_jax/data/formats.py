@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import gzip
 import json
+import zlib
 import os
 from pathlib import Path
 from typing import IO, Any, Iterator, Union
@@ -165,7 +166,7 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
     try:
         with opener(path, "rb") as f:
             yield from enumerate(f, start=1)
-    except (OSError, EOFError) as e:  # includes a truncated or non-gzip .gz file
+    except (OSError, EOFError, zlib.error) as e:  # includes a truncated, corrupt or non-gzip .gz file
         raise DataError(f"{path}: cannot read ({e})") from None
 
 

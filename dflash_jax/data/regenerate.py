@@ -178,6 +178,9 @@ def _prompt_ids(job: _Job, turn: int, tokenizer: Any, use_chat_template: bool, e
     if isinstance(job.example, PlainText):
         return plain_prompt_ids(tokenizer, job.users[0])
     job.history.append({"role": "user", "content": job.users[turn]})
+    if not (use_chat_template and getattr(tokenizer, "chat_template", None)):
+        # Plain text: the whole conversation so far, joined, exactly as training renders it (tokenize.py).
+        return plain_prompt_ids(tokenizer, "".join(m["content"] for m in job.history if m["role"] != "system"))
     return encode_conversation(tokenizer, job.history, use_chat_template, enable_thinking)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 import math
 import platform
 import sys
@@ -55,7 +56,7 @@ def read_text_file(path: Path) -> str:
             with gzip.open(path, "rt", encoding="utf-8") as f:
                 return f.read()
         return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError, EOFError) as e:
+    except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:
         raise ValueError(f"{path}: cannot read ({e})") from None
 
 

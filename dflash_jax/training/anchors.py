@@ -78,7 +78,7 @@ def block_labels(tokens: jax.Array, loss_mask: jax.Array, lengths, anchors: jax.
     ``tokens, loss_mask [N, L]`` (or ``[L]``), ``anchors, valid [N, A]``. Returns ``block_tokens [N, A, B]``
     (``[token[a], mask_token_id x (B-1)]``), ``block_positions [N, A, B]`` (``a + k``), ``labels [N, A, B]``
     (``token[a+k]``, 0 where out of range) and ``label_mask [N, A, B]``: true only for ``k >= 1``, a valid
-    anchor, ``a + k < length`` and ``loss_mask[a + k]``.
+    anchor, and ``a + j < length`` with ``loss_mask[a + j]`` for every ``j = 1 .. k``.
     """
     tokens = jnp.asarray(tokens)
     if tokens.ndim == 1:
@@ -91,7 +91,10 @@ def block_labels(tokens: jax.Array, loss_mask: jax.Array, lengths, anchors: jax.
     take = jax.vmap(lambda row, idx: row[idx])
     labels = take(tokens, gather_at)
     in_range = positions < jnp.minimum(lengths, length)[:, None, None]
-    label_mask = valid[..., None] & (k >= 1) & in_range & take(loss_mask, gather_at)
+    # A label counts only while every position from a+1 to a+k is trained: a block never predicts across an
+    # untrained gap (the next user turn of a conversation), which the draft never has to do at inference.
+    trained_run = jnp.cumprod((take(loss_mask, gather_at) & in_range) | (k == 0), axis=-1).astype(bool)
+    label_mask = valid[..., None] & (k >= 1) & trained_run
     labels = jnp.where(label_mask, labels, 0).astype(jnp.int32)
     first = take(tokens, anchors.astype(jnp.int32))  # [N, A]
     block_tokens = jnp.where(k == 0, first[..., None], mask_token_id).astype(jnp.int32)

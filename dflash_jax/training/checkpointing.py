@@ -79,7 +79,9 @@ class TrainCheckpoints:
                 continue
             self._set_aside(unreadable)
             return step, restored["state"], dict(restored["data"])
-        self._set_aside(unreadable)
+        if unreadable:
+            raise ConfigError(f"{self.directory}: no checkpoint could be read (steps "
+                              f"{', '.join(map(str, unreadable))}); move the folder aside to start over")
         return None
 
     def _set_aside(self, steps: list[int]) -> None:

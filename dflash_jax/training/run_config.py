@@ -8,6 +8,7 @@ cosine decay, clip 1.0, 512 anchors, 5 draft layers, max length 3072).
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -25,8 +26,8 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
     },
     "draft": {
         "init": (None, (str,), "an existing draft (official directory or Orbax) to fine-tune instead of a new one"),
-        "num_layers": (5, (int,), "draft depth (new drafts)"),
-        "block_size": (16, (int,), "tokens per block: anchor + block_size-1 mask positions"),
+        "num_layers": (None, (int,), "draft depth of a new draft (default 5)"),
+        "block_size": (None, (int,), "tokens per block: anchor + block_size-1 mask positions (default 16)"),
         "target_layer_ids": (None, (list,), "target layers whose features the draft reads (default: spread)"),
         "mask_token_id": (None, (int,), "the mask token's row of the target embedding (default: the last row)"),
         "intermediate_size": (None, (int,), "draft MLP width (default: the target's)"),
@@ -40,11 +41,13 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "train": (REQUIRED, (str, list), "training JSONL file(s): conversations, prompt/response or text rows"),
         "max_length": (3072, (int,), "tokens per sequence; longer rows are truncated (counted)"),
         "use_chat_template": (True, (bool,), "render conversations with the tokenizer's chat template"),
-        "eval_prompts": (None, (str,), "held-out prompt file (.txt/.json/.jsonl) for the engine's real tau"),
+        "enable_thinking": (False, (bool,), "Qwen3 thinking in the template (as 'train regenerate --thinking')"),
+        "eval_prompts": (None, (str,), "held-out prompts (JSONL rows with a prompt or messages) for the "
+                                       "engine's real tau"),
     },
     "train": {
         "epochs": (6, (int,), "passes over the data"),
-        "max_steps": (None, (int,), "stop after this many optimizer steps (the schedule still spans epochs)"),
+        "max_steps": (None, (int,), "at most this many optimizer steps (the learning-rate schedule spans them)"),
         "global_batch": (8, (int,), "sequences per optimizer step, over all devices and processes"),
         "accum_steps": (1, (int,), "gradient-accumulation micro-steps per optimizer step"),
         "num_anchors": (512, (int,), "anchors (blocks) drawn per sequence at every step"),
@@ -95,8 +98,10 @@ def _check_value(dotted: str, value: Any, types: tuple[type, ...], source: str) 
     ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
     if not ok:
         raise ConfigError(f"{source}: {dotted} must be a {_type_name(types)}, got {value!r}")
-    if isinstance(value, float) and value != value:
+    if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{source}: {dotted} must be a finite number, got {value!r}")
+    if dotted == "train.seed" and value >= 2**32:
+        raise ConfigError(f"{source}: train.seed must be below 2**32, got {value!r}")
     if dotted in POSITIVE and value <= 0:
         raise ConfigError(f"{source}: {dotted} must be positive, got {value!r}")
     if dotted in NON_NEGATIVE and value < 0:
@@ -134,8 +139,11 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
         raise ConfigError(f"{source}: train.dtype must be auto, float32 or bfloat16, got {train['dtype']!r}")
     if train["anchors"] not in ("random", "uniform"):
         raise ConfigError(f"{source}: train.anchors must be random or uniform, got {train['anchors']!r}")
-    if out["draft"]["block_size"] < 2:
+    if out["draft"]["block_size"] is not None and out["draft"]["block_size"] < 2:
         raise ConfigError(f"{source}: draft.block_size must be at least 2, got {out['draft']['block_size']}")
+    if out["output"]["export_dtype"] not in (None, "float32", "bfloat16", "float16"):
+        raise ConfigError(f"{source}: output.export_dtype must be float32, bfloat16 or float16, got "
+                          f"{out['output']['export_dtype']!r}")
     train_files = out["data"]["train"]
     if isinstance(train_files, list) and (not train_files or not all(isinstance(f, str) for f in train_files)):
         raise ConfigError(f"{source}: data.train must be a file name or a non-empty list of file names")

@@ -28,6 +28,8 @@ from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target
 from dflash_jax.checkpoints.loading import load_draft_any, load_tokenizer, restore_orbax, tokenizer_dir
 from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft
 from dflash_jax.data.pipeline import BatchIterator, make_dataset, steps_per_run
+from dflash_jax.engine.decoder import stop_tokens_of
+from dflash_jax.engine.generate import prompt_width
 from dflash_jax.models.config import ConfigError, TargetConfig
 from dflash_jax.models.draft import DraftModel
 from dflash_jax.models.draft_config import DraftConfig
@@ -37,6 +39,8 @@ from dflash_jax.training.loss import default_gamma
 from dflash_jax.training.metrics import MetricsLogger
 from dflash_jax.training.step import StepConfig, TrainState, init_train_state, make_optimizer, make_train_step
 
+NEW_DRAFT_KEYS = ("num_layers", "block_size", "target_layer_ids", "mask_token_id", "intermediate_size",
+                  "num_attention_heads", "num_key_value_heads", "head_dim")
 UNIFORM_GAMMA = 1e9  # exp(-(k-1)/gamma) == 1 to float precision: the uniform-weight ablation
 
 
@@ -71,11 +75,15 @@ def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, di
     """The draft to train: an existing one (``draft.init``) or a new Qwen3-style draft shaped like the target."""
     d = cfg["draft"]
     if d["init"]:
+        shaped = [k for k in NEW_DRAFT_KEYS if d[k] is not None]
+        if shaped:
+            raise ConfigError(f"run config: draft.{shaped[0]} cannot be combined with draft.init (the existing "
+                              f"draft's own config decides it); remove it or train a new draft")
         config, params = load_draft_any(d["init"], dtype="float32")
         config.validate_against(target, source=f"draft.init {d['init']}")
         return config, params
     ids = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else None
-    config = DraftConfig.for_target(target, num_layers=d["num_layers"], block_size=d["block_size"],
+    config = DraftConfig.for_target(target, num_layers=d["num_layers"] or 5, block_size=d["block_size"] or 16,
                                     mask_token_id=d["mask_token_id"], target_layer_ids=ids)
     shape = {k: d[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim") if d[k]}
     config = dataclasses.replace(config, **shape)
@@ -112,6 +120,14 @@ class _Stop:
     def _handle(self, *_):
         self.requested = True
 
+    def requested_anywhere(self) -> bool:
+        """Every process must stop at the same step (a save and a train step are both collective)."""
+        if jax.process_count() == 1:
+            return self.requested
+        from jax.experimental import multihost_utils
+
+        return bool(np.max(multihost_utils.process_allgather(np.int32(self.requested))))
+
     def __exit__(self, *exc):
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
@@ -130,6 +146,7 @@ class Run:
     init_params: Any  # the draft's starting params (host), new or from draft.init
     tokenized: Any  # TokenizedData
     eval_prompts: list[list[int]] | None
+    stop_tokens: list[int]  # EOS ids of the target, as the engine uses them when serving
     step_cfg: StepConfig
     optimizer: Any
     schedule: Any
@@ -181,13 +198,22 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
 
     target_config, target_params = load_target_sharded(cfg["target"]["path"], dtype, mesh)
     draft_config, init_params = build_draft_config(cfg, target_config)
-    tokenizer = None
-    if tokenized is None or (eval_prompts is None and cfg["data"]["eval_prompts"]):
-        tokenizer = load_tokenizer(cfg["target"]["tokenizer"] or tokenizer_dir(cfg["target"]["path"]))
+    tokenizer = load_tokenizer(cfg["target"]["tokenizer"] or tokenizer_dir(cfg["target"]["path"]))
+    stop_tokens = stop_tokens_of(target_config, tokenizer, tokenizer_dir(cfg["target"]["path"]))
     if tokenized is None:
         tokenized = read_training_data(cfg, tokenizer, log)
     if eval_prompts is None and cfg["data"]["eval_prompts"]:
         eval_prompts = read_eval_prompts(cfg, tokenizer)
+    if eval_prompts:  # fail now, not after hours of training
+        longest = max(len(p) for p in eval_prompts[: cfg["output"]["eval_num_prompts"]])
+        try:
+            prompt_width(longest, cfg["output"]["eval_max_new_tokens"], target_config.max_position_embeddings)
+        except ValueError as e:
+            raise ConfigError(f"data.eval_prompts / output.eval_max_new_tokens: {e}") from None
+    devices_per_batch = int(mesh.shape["data"] * mesh.shape["fsdp"])
+    if cfg["train"]["global_batch"] % devices_per_batch:
+        raise ConfigError(f"train.global_batch {cfg['train']['global_batch']} is not divisible by the {devices_per_batch} "
+                          "devices the batch is split over (mesh.data x mesh.fsdp)")
     vocab_top = int(tokenized.tokens.max())
     if vocab_top >= target_config.vocab_size:
         raise ConfigError(f"data.train: token id {vocab_top} is outside the target's vocabulary "
@@ -209,9 +235,12 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
                           f"of {global_batch} (train.global_batch)")
     optimizer, schedule = make_optimizer(t["learning_rate"], total_steps, t["warmup_ratio"], t["clip_norm"],
                                          t["weight_decay"], min_lr_ratio=t["min_lr_ratio"])
+    # What decides the trained model. anchor_chunk and accum_steps only trade memory for time (the loss is
+    # the same to float rounding), so a resume on other hardware may change them.
     fingerprint = {
-        "draft": draft_config.to_official_dict(), "step": {k: (list(v) if isinstance(v, tuple) else v)
-                                                          for k, v in dataclasses.asdict(step_cfg).items()},
+        "draft": draft_config.to_official_dict(),
+        "step": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(step_cfg).items()
+                 if k not in ("anchor_chunk", "accum_steps")},
         "data": {"fingerprint": tokenized.fingerprint(), "global_batch": global_batch, "epochs": t["epochs"],
                  "seed": t["seed"]},
         "optimizer": {k: t[k] for k in ("learning_rate", "warmup_ratio", "min_lr_ratio", "weight_decay",
@@ -221,7 +250,7 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
     if init_params is None:
         init_params = init_draft_params(draft_config, seed=t["seed"], std=float(cfg["draft"]["init_std"]))
     return Run(cfg, mesh, dtype, target_config, target_params, draft_config, init_params, tokenized, eval_prompts,
-               step_cfg, optimizer, schedule, total_steps, fingerprint)
+               stop_tokens, step_cfg, optimizer, schedule, total_steps, fingerprint)
 
 
 def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = None, progress: bool = True,
@@ -235,7 +264,7 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
     out_dir = Path(cfg["output"]["dir"])
     mesh, dtype, target_params, draft_config = run.mesh, run.dtype, run.target_params, run.draft_config
     target_config, eval_prompts, total_steps = run.target_config, run.eval_prompts, run.total_steps
-    fingerprint, global_batch = run.fingerprint, run.global_batch
+    fingerprint = run.fingerprint
     with jax.set_mesh(mesh):
         abstract_state = run.abstract_state()
         state_sh = sharding.tree_shardings(abstract_state, mesh)
@@ -249,9 +278,9 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
             start, state, data_state = restored
             batches.restore(data_state)
             log(f"resumed from {ckpts.directory} at step {start}")
+        logger = MetricsLogger(out_dir, enabled=jax.process_index() == 0, resume_step=start)
         train_step = run.jitted_step(state_sh)
 
-        logger = MetricsLogger(out_dir, enabled=jax.process_index() == 0)
         log_every, save_every = cfg["output"]["log_every"], cfg["output"]["save_every"]
         eval_every = cfg["output"]["eval_every"]
         metrics: dict = {}
@@ -279,9 +308,10 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
                                     tau_est=f"{metrics['implied_acceptance_length']:.2f}")
                     window_t, window_tokens, window_steps = time.perf_counter(), 0.0, 0
                 if eval_every and step % eval_every == 0 and step < total_steps and eval_prompts:
-                    eval_tau = evaluate_tau(cfg, target_config, target_params, draft_config, state.params,
-                                            eval_prompts, dtype)
+                    eval_tau = evaluate_tau(run, state.params)
                     logger.write(step, {"eval_tau": eval_tau})
+                if stop.requested_anywhere():
+                    stop.requested = True
                 if step % save_every == 0 or stop.requested:
                     ckpts.save(step, state, batches.state(), fingerprint)
                 if stop.requested:
@@ -294,15 +324,14 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
         ckpts.close()
         export_dir = None
         if not stopped:
-            if eval_prompts:
-                eval_tau = evaluate_tau(cfg, target_config, target_params, draft_config, state.params, eval_prompts,
-                                        dtype)
-                logger.write(step, {"eval_tau": eval_tau})
-                log(f"real tau of the draft on {min(len(eval_prompts), cfg['output']['eval_num_prompts'])} "
-                    f"held-out prompts: {eval_tau:.2f}")
             export_dir = export_draft(out_dir / "export", draft_config, state.params, cfg["output"]["export_dtype"])
             if jax.process_index() == 0:
                 log(f"exported {export_dir / 'draft'} (official layout) and {export_dir / 'draft-orbax'} (Orbax)")
+            if eval_prompts:
+                eval_tau = evaluate_tau(run, state.params)
+                logger.write(step, {"eval_tau": eval_tau})
+                log(f"real tau of the draft on {min(len(eval_prompts), cfg['output']['eval_num_prompts'])} "
+                    f"held-out prompts: {eval_tau:.2f}")
         logger.close()
     return FitResult(steps=step, final_metrics=metrics, eval_tau=eval_tau, export_dir=export_dir,
                      stopped_early=stopped)
@@ -319,20 +348,17 @@ def _scalarise(metrics: dict) -> dict:
     return out
 
 
-def evaluate_tau(cfg: dict, target_config: TargetConfig, target_params: dict, draft_config: DraftConfig,
-                 draft_params: Any, prompts: list[list[int]], dtype: Any) -> float:
-    """The real acceptance length of the current draft through the decode engine (greedy), not a training
-    estimate: a wrong mask id or a train/serve mismatch shows here and nowhere else (SPEC section 6)."""
+def evaluate_tau(run: Run, draft_params: Any, prompts: list[list[int]] | None = None) -> float:
+    """The real acceptance length of a draft through the decode engine (greedy, the serving stop tokens), not a
+    training estimate: a wrong mask id or a train/serve mismatch shows here and nowhere else (SPEC section 6)."""
     from dflash_jax.engine.decoder import Decoder
 
     if jax.process_count() > 1:  # the engine reads results as host arrays of one process
         return float("nan")
-    params = jax.tree.map(lambda x: x.astype(dtype), draft_params)
-    decoder = Decoder(target_config, target_params, draft_config, params, dtype=dtype)
-    chosen = prompts[: cfg["output"]["eval_num_prompts"]]
-    result = decoder.generate(chosen, cfg["output"]["eval_max_new_tokens"],
-                              stop_tokens=target_config.eos_token_ids)
-    return result.tau
+    params = jax.tree.map(lambda x: jnp.asarray(x, run.dtype), draft_params)
+    decoder = Decoder(run.target_config, run.target_params, run.draft_config, params, dtype=run.dtype)
+    chosen = (run.eval_prompts if prompts is None else prompts)[: run.cfg["output"]["eval_num_prompts"]]
+    return decoder.generate(chosen, run.cfg["output"]["eval_max_new_tokens"], stop_tokens=run.stop_tokens).tau
 
 
 def export_draft(directory: Path, config: DraftConfig, params: Any, dtype: str | None) -> Path:
@@ -380,7 +406,7 @@ def read_training_data(cfg: dict, tokenizer: Any, log: Callable[[str], None]):
         examples += rows
         log(f"{f}: {len(rows)} rows" + (f", {stats.skipped} malformed rows skipped" if stats.skipped else ""))
     data = tokenize_examples(tokenizer, examples, cfg["data"]["max_length"], cfg["data"]["use_chat_template"],
-                             progress=True, source=f"data.train ({', '.join(str(f) for f in files)})")
+                             progress=True, enable_thinking=cfg["data"]["enable_thinking"], source=f"data.train ({', '.join(str(f) for f in files)})")
     log(f"tokenized {len(data.lengths)} rows ({int(data.loss_mask.sum())} trained tokens); "
         f"{data.num_truncated} truncated at {cfg['data']['max_length']} tokens, "
         f"{data.num_without_targets} without trainable tokens dropped")
@@ -392,7 +418,8 @@ def read_eval_prompts(cfg: dict, tokenizer: Any) -> list[list[int]]:
     from dflash_jax.data.regenerate import first_prompt_ids
 
     examples, _ = read_examples(cfg["data"]["eval_prompts"])
-    return [first_prompt_ids(tokenizer, e, cfg["data"]["use_chat_template"]) for e in examples]
+    return [first_prompt_ids(tokenizer, e, cfg["data"]["use_chat_template"], cfg["data"]["enable_thinking"])
+            for e in examples]
 
 
 def param_count(tree: Any) -> int:
