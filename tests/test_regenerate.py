@@ -249,3 +249,15 @@ def test_multi_turn_without_template_answers_from_the_training_context(setup, tm
     ids, mask = data.tokens[0][: data.lengths[0]].tolist(), data.loss_mask[0][: data.lengths[0]].tolist()
     start = mask.index(True, len(plain_prompt_ids(tokenizer, "ab" + first)) + 1)
     assert ids[:start] == plain_prompt_ids(tokenizer, "ab" + first + "cd")
+
+
+def test_repeat_answers_every_example_n_times(setup, tmp_path, capsys):
+    out = tmp_path / "rep"
+    argv = cli_args(setup, out, "--limit", "2", "--repeat", "3", "--temperature", "1.0")
+    assert main(argv) == 0
+    rows = [json.loads(line) for f in sorted(out.glob("shard-*.jsonl")) for line in f.read_text().splitlines()]
+    assert len(rows) == 6
+    prompts = [json.dumps(r["messages"][0] if "messages" in r else r["prompt"]) for r in rows]
+    assert prompts[:2] == prompts[2:4] == prompts[4:6]  # the file, three times over
+    assert main(cli_args(setup, tmp_path / "bad", "--repeat", "0")) == 2
+    assert "--repeat must be at least 1" in capsys.readouterr().err

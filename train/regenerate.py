@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                         help="feed the raw prompt text (with BOS) instead of the tokenizer's chat template")
     parser.add_argument("--limit", type=int, metavar="N", help="regenerate only the first N usable examples")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="answer every example N times (with --temperature > 0 each copy gets its own sample: "
+                             "many varied answers from a few prompts; default 1)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return parser
 
@@ -65,13 +68,14 @@ def print_warnings(warnings: list[str]) -> None:
 
 def regenerate_main(args: argparse.Namespace) -> int:
     for flag, value in (("--batch-size", args.batch_size), ("--shard-size", args.shard_size),
-                        ("--limit", args.limit)):
+                        ("--limit", args.limit), ("--repeat", args.repeat)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
     if args.seed < 0:
         raise UsageError(f"--seed must be non-negative, got {args.seed}")
     sampling = sampling_of(args)
     examples, read_stats = read_examples(Path(args.data), limit=args.limit)
+    examples = examples * args.repeat  # the whole file N times, so shards stay contiguous ranges of it
     print_warnings(read_stats.warnings)
     decoder, tokenizer, eos = load_decoder(args, need_draft=False)
     stops = args.stop_token if args.stop_token else eos
