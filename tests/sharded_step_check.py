@@ -12,7 +12,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 import json  # noqa: E402
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")

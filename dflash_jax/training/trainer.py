@@ -9,7 +9,6 @@ real tau of the draft through the engine on held-out prompts, and the export (of
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import shutil
 import signal
@@ -262,9 +261,8 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
     """
     run = prepare_run(cfg, tokenized=tokenized, eval_prompts=eval_prompts, log=log)
     out_dir = Path(cfg["output"]["dir"])
-    mesh, dtype, target_params, draft_config = run.mesh, run.dtype, run.target_params, run.draft_config
-    target_config, eval_prompts, total_steps = run.target_config, run.eval_prompts, run.total_steps
-    fingerprint = run.fingerprint
+    mesh, target_params, draft_config = run.mesh, run.target_params, run.draft_config
+    eval_prompts, total_steps, fingerprint = run.eval_prompts, run.total_steps, run.fingerprint
     with jax.set_mesh(mesh):
         abstract_state = run.abstract_state()
         state_sh = sharding.tree_shardings(abstract_state, mesh)
@@ -424,43 +422,3 @@ def read_eval_prompts(cfg: dict, tokenizer: Any) -> list[list[int]]:
 
 def param_count(tree: Any) -> int:
     return int(sum(math.prod(np.shape(x)) for x in jax.tree.leaves(tree)))
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2))
-
-
-def measure_step(run: Run, steps: int = 10) -> dict:
-    """Time the train step and, on the same batches, the frozen target's feature pass alone (the step's
-    first part): tokens/s of training and the share of the step the target takes. Nothing is saved."""
-    from dflash_jax.training.step import target_features
-
-    with jax.set_mesh(run.mesh):
-        state_sh = sharding.tree_shardings(run.abstract_state(), run.mesh)
-        state = run.initial_state(state_sh)
-        train_step = run.jitted_step(state_sh)
-        target = TargetModel(run.target_config, run.dtype)
-        features = jax.jit(lambda p, b: target_features(target, p, b, run.step_cfg.feature_layers))
-        batches = run.batches()
-        batch = run.global_batch_of(next(batches))
-        state, _ = train_step(state, run.target_params, batch)  # compile and warm up both programs
-        jax.block_until_ready(features(run.target_params, batch))
-        step_s, target_s, tokens = [], [], 0.0
-        for _ in range(steps):
-            local = next(batches)
-            batch = run.global_batch_of(local)
-            t0 = time.perf_counter()
-            jax.block_until_ready(features(run.target_params, batch))
-            target_s.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            state, m = train_step(state, run.target_params, batch)
-            jax.block_until_ready(m)
-            step_s.append(time.perf_counter() - t0)
-            tokens += float(np.sum(local["lengths"])) * jax.process_count()
-    step, tgt = float(np.median(step_s)), float(np.median(target_s))
-    return {"steps": steps, "step_s": step, "target_features_s": tgt, "target_share": tgt / step,
-            "tokens_per_s": tokens / float(np.sum(step_s)), "global_batch": run.global_batch,
-            "max_length": run.tokenized.max_length, "num_anchors": run.step_cfg.num_anchors,
-            "block_size": run.step_cfg.block_size, "draft_params": param_count(run.init_params),
-            "target_params": param_count(run.target_params)}
