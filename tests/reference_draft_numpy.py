@@ -18,10 +18,10 @@ a full random draft state dict in the official checkpoint layout of SPEC section
 Conventions fixed here (where the SPEC leaves room)
 ---------------------------------------------------
 * Sliding window: for a layer with ``layer_types[i] == "sliding_attention"`` a query at absolute position ``p``
-  sees a key at absolute position ``k`` iff ``p - k < sliding_window`` (equivalently ``k > p - sliding_window``).
-  This is Hugging Face's sliding-window mask (``kv_idx > q_idx - sliding_window``). Block keys AFTER the query
-  (``k > p``) are always visible (non-causal block). A missing / ``None`` ``sliding_window`` means no limit.
-  A missing ``layer_types`` means every layer is ``full_attention``.
+  sees a key at absolute position ``k`` iff ``|p - k| < sliding_window``: two-sided, as the official code's
+  flash-attention path applies it (a window left and right of the query), which matters for block keys AFTER
+  the query when the window is smaller than the block (SPEC section 4). A missing / ``None``
+  ``sliding_window`` means no limit. A missing ``layer_types`` means every layer is ``full_attention``.
 * RoPE: ``inv_freq[i] = theta ** (-2i / head_dim)`` for ``i < head_dim / 2``; angles ``pos * inv_freq`` are
   duplicated to ``head_dim`` (``cat(freqs, freqs)``), ``x' = x * cos + rotate_half(x) * sin`` with
   ``rotate_half(x) = cat(-x[d/2:], x[:d/2])``. ``rope_theta`` is read from the top level, else from
@@ -223,7 +223,7 @@ def draft_forward_reference(
         ``0 .. T_ctx-1`` (then ``T_ctx`` must equal ``start``). Every position must be ``< start``.
 
     Sliding-window convention: in a ``sliding_attention`` layer a query at position ``p`` sees a key at position
-    ``k`` iff ``p - k < sliding_window`` (Hugging Face's mask). Full-attention layers see every context key and
+    ``k`` iff ``|p - k| < sliding_window`` (two-sided). Full-attention layers see every context key and
     every block key (non-causal inside the block).
 
     Callers drop position 0 (the anchor); block position i >= 1 predicts the token at ``start + i``.
@@ -308,7 +308,7 @@ def draft_forward_reference(
                 scores = []
                 vis_vals = []
                 for j in range(n_keys):
-                    if sliding and not (qp - key_pos[j] < window):
+                    if sliding and not abs(qp - key_pos[j]) < window:
                         continue
                     scores.append(float(np.dot(q[i, hq], keys[j, hk])) * scale)
                     vis_vals.append(values[j, hk])

@@ -291,3 +291,18 @@ def test_missing_directory_and_corrupt_file(tmp_path):
     (d / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
         load_draft(d)
+
+
+def test_sliding_window_settings_as_the_official_code_reads_them():
+    """SPEC section 4: use_sliding_window false drops every window; without layer_types a layer is sliding iff
+    a window is set and its index is >= max_window_layers (Qwen3Config's rule, default 28)."""
+    off = DraftConfig.from_dict(official_config(layer_types=["sliding_attention", "full_attention"],
+                                                sliding_window=16, use_sliding_window=False))
+    assert off.layer_types == ("full_attention", "full_attention") and off.sliding_window is None
+    by_index = DraftConfig.from_dict(official_config(layer_types=None, sliding_window=16, max_window_layers=1))
+    assert by_index.layer_types == ("full_attention", "sliding_attention") and by_index.sliding_window == 16
+    default = DraftConfig.from_dict(official_config(layer_types=None, sliding_window=16))
+    assert default.layer_types == ("full_attention",) * 2  # 2 layers < the default max_window_layers 28
+    assert DraftConfig.from_dict(official_config(layer_types=None)).layer_types == ("full_attention",) * 2
+    with pytest.raises(ConfigError, match="max_window_layers must be a non-negative integer"):
+        DraftConfig.from_dict(official_config(layer_types=None, sliding_window=16, max_window_layers="x"))

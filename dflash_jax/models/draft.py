@@ -48,11 +48,13 @@ def context_mask(block_positions: jax.Array, key_positions: jax.Array, key_valid
 
 
 def block_mask(block_positions: jax.Array, window: int | None) -> jax.Array:
-    """Block tokens see each other bidirectionally (limited by the window on sliding layers)."""
+    """Block tokens see each other bidirectionally; on sliding layers only within ``|q_pos - k_pos| < window``
+    (two-sided, as the official code's flash-attention window; it matters when the window is smaller than
+    the block)."""
     b, t = block_positions.shape
     mask = jnp.ones((b, t, t), bool)
     if window is not None:
-        mask &= block_positions[:, :, None] - block_positions[:, None, :] < window
+        mask &= jnp.abs(block_positions[:, :, None] - block_positions[:, None, :]) < window
     return mask
 
 

@@ -15,6 +15,7 @@ from dflash_jax.models.config import (
 )
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+QWEN3_MAX_WINDOW_LAYERS = 28  # transformers' Qwen3Config default
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -92,7 +93,19 @@ class DraftConfig:
         block = require(merged, "block_size", source)
         if block < 2:
             raise ConfigError(f"{source}: block_size must be at least 2, got {block}")
-        layer_types = tuple(cfg.get("layer_types") or ("full_attention",) * layers)
+        window = cfg.get("sliding_window")
+        no_window = cfg.get("use_sliding_window") is False  # transformers then drops the window everywhere
+        if no_window:
+            window = None
+        if cfg.get("layer_types"):
+            layer_types = tuple(cfg["layer_types"])
+        elif window is not None:  # the Qwen3 rule when layer_types is absent
+            first = cfg.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
+            if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+                raise ConfigError(f"{source}: max_window_layers must be a non-negative integer, got {first!r}")
+            layer_types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
+        else:
+            layer_types = ("full_attention",) * layers
         if len(layer_types) != layers:
             raise ConfigError(
                 f"{source}: layer_types has {len(layer_types)} entries but num_hidden_layers is {layers}"
@@ -100,8 +113,10 @@ class DraftConfig:
         for t in layer_types:
             if t not in LAYER_TYPES:
                 raise ConfigError(f"{source}: layer type {t!r} is not one of {', '.join(LAYER_TYPES)}")
-        window = cfg.get("sliding_window")
-        if "sliding_attention" in layer_types and (not isinstance(window, int) or window <= 0):
+        if no_window:
+            layer_types = ("full_attention",) * layers
+        if "sliding_attention" in layer_types and (not isinstance(window, int) or isinstance(window, bool)
+                                                   or window <= 0):
             raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window, got {window!r}")
         cap = dflash("final_logit_softcapping")
         act = cfg.get("hidden_act", "silu")

@@ -44,7 +44,7 @@ def packed_block_mask(block_positions: jax.Array, window: int | None) -> jax.Arr
     shape = block_positions.shape + block_positions.shape[-1:]
     mask = jnp.ones(shape, bool)
     if window is not None:
-        mask &= block_positions[..., :, None] - block_positions[..., None, :] < window
+        mask &= jnp.abs(block_positions[..., :, None] - block_positions[..., None, :]) < window
     return mask
 
 
