@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(parser, demo_default=True)
     parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                         help="a prompt (repeat for a batch)")
+    parser.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
+                        help="a prompt as comma-separated token ids, fed as is (no BOS or template added; repeat "
+                             "for a batch): for harnesses and parity checks")
     parser.add_argument("--prompt-file", metavar="FILE",
                         help="prompts from a file: .txt (one per line), .json (a list of strings) or .jsonl "
                              "(objects with 'prompt', 'question', 'problem', 'instruction' or 'turns'); .gz ok")
@@ -184,13 +187,16 @@ def generate_main(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     if args.prompt_file:
         prompts += read_prompt_file(Path(args.prompt_file))
-    if not prompts:
-        raise UsageError("give at least one --prompt or a --prompt-file")
+    id_prompts = [parse_prompt_ids(text) for text in args.prompt_ids]
+    if not prompts and not id_prompts:
+        raise UsageError("give at least one --prompt, --prompt-ids or a --prompt-file")
     if args.stream and len(prompts) != 1:
         raise UsageError("--stream needs exactly one prompt")
     sampling = sampling_of(args)
     decoder, tokenizer, stops = load_decoder(args, need_draft=not args.baseline)
     ids = [encode_conversation(tokenizer, [{"role": "user", "content": p}], args.chat_template) for p in prompts]
+    ids += id_prompts
+    prompts += [f"ids:{','.join(map(str, p))}" for p in id_prompts]
 
     on_tokens = TextStream(tokenizer, ids[0]) if args.stream and not args.json else None
     dflash = None
@@ -221,6 +227,17 @@ def generate_main(args: argparse.Namespace) -> int:
             print(f"### {row['prompt']}\n{row['text']}\n")
     print(format_summary(summary), file=sys.stderr if args.stream else sys.stdout)
     return 0
+
+
+def parse_prompt_ids(text: str) -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]``; range checks against the vocabulary happen in the engine."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,415,2293") from None
+    if any(i < 0 for i in ids):
+        raise UsageError(f"--prompt-ids {text!r}: token ids cannot be negative")
+    return ids
 
 
 def no_nan(value):

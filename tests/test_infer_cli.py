@@ -138,3 +138,21 @@ def test_generate_from_orbax_target_and_draft(pair, tmp_path, capsys):
     from_hf = run_json(capsys, ["--target", str(target), "--ckpt", str(draft)] + argv)
     assert from_orbax["results"][0]["tokens"] == from_hf["results"][0]["tokens"]
     assert from_orbax["results"][0]["text"] == from_hf["results"][0]["text"]
+
+
+def test_prompt_ids_are_fed_as_is(pair, capsys):
+    """--prompt-ids gives the same tokens as the text prompt whose ids they are (the char tokenizer: BOS 1, then
+    one id per character), and bad ids are one error line."""
+    target, draft = pair
+    from dflash_jax.checkpoints.loading import load_tokenizer
+
+    tok = load_tokenizer(target)
+    ids = tok("hello", add_special_tokens=True)["input_ids"]
+    argv = ["--target", str(target), "--ckpt", str(draft), "--max-new-tokens", "12", "--no-chat-template"]
+    by_text = run_json(capsys, argv + ["--prompt", "hello"])["results"][0]
+    by_ids = run_json(capsys, argv + ["--prompt-ids", ",".join(map(str, ids))])["results"][0]
+    assert by_ids["tokens"] == by_text["tokens"] and by_ids["prompt"] == "ids:" + ",".join(map(str, ids))
+    assert main(argv + ["--prompt-ids", "1,x"]) == 2
+    assert "expected comma-separated integers" in capsys.readouterr().err
+    assert main(argv + ["--prompt-ids", "1,5000"]) == 2
+    assert "outside the target's vocabulary" in capsys.readouterr().err
