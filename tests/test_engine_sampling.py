@@ -119,3 +119,15 @@ def test_chi_square_rejects_a_different_distribution(models):
     tc, tp, _, _ = models
     samples, _ = run(models, SamplingConfig(1.0), seed=13)
     assert chi_square_p(samples, exact_distribution(tc, tp, SamplingConfig(0.5))) < 1e-3
+
+
+def test_argmax_is_the_first_maximum_like_jnp_argmax():
+    from dflash_jax.engine.sampling import argmax
+
+    rng = np.random.default_rng(0)
+    for shape in [(7,), (3, 5), (2, 4, 512)]:
+        x = rng.integers(0, 4, size=shape).astype(np.float32)  # many ties: the FIRST maximum must win
+        np.testing.assert_array_equal(np.asarray(argmax(x)), np.argmax(x, axis=-1))
+        y = rng.standard_normal(shape).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(argmax(y)), np.argmax(y, axis=-1))
+    assert int(argmax(np.array([-np.inf, -np.inf], np.float32))) == 0

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.engine.sampling import SamplingConfig, probabilities, sample
+from dflash_jax.engine.sampling import SamplingConfig, argmax, probabilities, sample
 from dflash_jax.models.draft import DraftModel, SharedHead, init_draft_cache
 from dflash_jax.models.draft_config import DraftConfig
 
@@ -78,7 +78,7 @@ class DFlashProposer:
         state = {"cache": out.cache}
         logits = out.logits
         if self.sampling.greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None, state
+            return argmax(logits), None, state
         probs = probabilities(logits, self.sampling)
         return sample(key, probs).astype(jnp.int32), probs, state
 

@@ -60,6 +60,17 @@ def probabilities(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return probs
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` (the first index of the maximum) as two plain reductions, max then min index.
+    XLA:CPU runs argmax's paired (value, index) reduction as scalar code: about 2.3 us per 512-wide row on the
+    development CPU, 70 us of a 440 us stories260K DFlash round at block 16 (draft and verify argmaxes).
+    A row holding NaN gives the last index (it has no maximum)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    first = jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1)
+    return jnp.minimum(first, x.shape[-1] - 1)
+
+
 def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
     return jax.random.categorical(key, jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf))
 
@@ -67,7 +78,7 @@ def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
 def select(key: jax.Array, logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """One token per row from ``logits [..., V]``: argmax when greedy, else a sample."""
     if cfg.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     return sample(key, probabilities(logits, cfg)).astype(jnp.int32)
 
 
@@ -78,7 +89,7 @@ class Acceptance(NamedTuple):
 
 def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array) -> Acceptance:
     """``draft_tokens [B, K]``; ``target_logits [B, K + 1, V]`` where position k predicts draft token k."""
-    target_tokens = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    target_tokens = argmax(target_logits)
     matches = draft_tokens == target_tokens[:, :-1]
     num = jnp.sum(jnp.cumprod(matches.astype(jnp.int32), axis=1), axis=1)
     bonus = jnp.take_along_axis(target_tokens, num[:, None], axis=1)[:, 0]
