@@ -2,7 +2,7 @@
 
 The demo pair ships inside the package: llama2.c's stories260K (a real 260K-parameter LLaMA-architecture model
 by Andrej Karpathy, MIT licence) and the DFlash draft this project trained for it (configs/runs/
-stories260k-b16.yaml). The demo generates a story greedily with DFlash and with plain autoregressive decoding on
+stories260k-b8.yaml). The demo generates a story greedily with DFlash and with plain autoregressive decoding on
 the same engine, checks that the two outputs are identical, and reports tau (tokens committed per round) and
 the measured decode speedup.
 """
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
                         help="tokens to generate (default 200, the length llama2.c's own test uses)")
     parser.add_argument("--block-size", type=int, metavar="B",
-                        help="tokens per round, at most the draft's 16 (default 16)")
+                        help="tokens per round, at most the draft's 8 (default 8)")
     parser.add_argument("--repeats", type=int, default=3, metavar="N",
                         help="timed runs of each decoder; the median decode time is reported (default 3)")
     return parser
