@@ -39,7 +39,9 @@ from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft import DraftModel
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.target import TargetModel
+from dflash_jax.training.checkpointing import abstract_like
 from dflash_jax.training.step import StepConfig, init_train_state, make_train_step
+
 
 def per_device_bytes(tree: Any) -> int:
     """Bytes one device holds of a tree of sharded (abstract) arrays: the largest shard of each leaf."""
@@ -49,10 +51,6 @@ def per_device_bytes(tree: Any) -> int:
         shard = leaf.sharding.shard_shape(shape) if getattr(leaf, "sharding", None) is not None else shape
         total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
     return int(total)
-
-
-def _with_shardings(tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> tuple[dict, dict]:
@@ -145,8 +143,8 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
         state_abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, 0), draft_abstract)
         state_sh = sharding.tree_shardings(state_abstract, mesh)
         target_sh = sharding.tree_shardings(target_abstract, mesh)
-        state_arg = _with_shardings(state_abstract, state_sh)
-        target_arg = _with_shardings(target_abstract, target_sh)
+        state_arg = abstract_like(state_abstract, state_sh)
+        target_arg = abstract_like(target_abstract, target_sh)
         batch_arg, batch_sh = abstract_batch(global_batch, seq_len, mesh)
 
         step_fn = make_train_step(TargetModel(target_config, dtype), DraftModel(draft_config, dtype), step_cfg,
