@@ -206,3 +206,12 @@ def test_shipped_run_configs_parse():
     for path in shipped:
         cfg = load_run_config(path)
         assert cfg["draft"]["block_size"] in (8, 10, 16), path
+
+
+def test_train_speed_reports_the_targets_share(tiny, capsys):
+    root, config, _ = tiny
+    assert train_main(["speed", "--config", str(config), "--steps", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["steps"] == 2 and out["step_s"] > out["target_features_s"] > 0
+    assert 0 < out["target_share"] < 1 and out["tokens_per_s"] > 0
+    assert out["draft_params"] > 0 and out["target_params"] > 0

@@ -422,3 +422,38 @@ def read_eval_prompts(cfg: dict, tokenizer: Any) -> list[list[int]]:
 
 def param_count(tree: Any) -> int:
     return int(sum(math.prod(np.shape(x)) for x in jax.tree.leaves(tree)))
+
+
+def measure_step(run: Run, steps: int = 10) -> dict:
+    """Time the train step and, on the same batches, the frozen target's feature pass alone (the step's
+    first part): tokens/s of training and the share of the step the target takes. Nothing is saved."""
+    from dflash_jax.training.step import target_features
+
+    with jax.set_mesh(run.mesh):
+        state_sh = sharding.tree_shardings(run.abstract_state(), run.mesh)
+        state = run.initial_state(state_sh)
+        train_step = run.jitted_step(state_sh)
+        target = TargetModel(run.target_config, run.dtype)
+        features = jax.jit(lambda p, b: target_features(target, p, b, run.step_cfg.feature_layers))
+        batches = run.batches()
+        batch = run.global_batch_of(next(batches))
+        state, _ = train_step(state, run.target_params, batch)  # compile and warm up both programs
+        jax.block_until_ready(features(run.target_params, batch))
+        step_s, target_s, tokens = [], [], 0.0
+        for _ in range(steps):
+            local = next(batches)
+            batch = run.global_batch_of(local)
+            t0 = time.perf_counter()
+            jax.block_until_ready(features(run.target_params, batch))
+            target_s.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            state, m = train_step(state, run.target_params, batch)
+            jax.block_until_ready(m)
+            step_s.append(time.perf_counter() - t0)
+            tokens += float(np.sum(local["lengths"])) * jax.process_count()
+    step, tgt = float(np.median(step_s)), float(np.median(target_s))
+    return {"steps": steps, "step_s": step, "target_features_s": tgt, "target_share": tgt / step,
+            "tokens_per_s": tokens / float(np.sum(step_s)), "global_batch": run.global_batch,
+            "max_length": run.tokenized.max_length, "num_anchors": run.step_cfg.num_anchors,
+            "block_size": run.step_cfg.block_size, "draft_params": param_count(run.init_params),
+            "target_params": param_count(run.target_params)}
