@@ -193,7 +193,7 @@ def make_train_step(target: TargetModel, draft: DraftModel, cfg: StepConfig, opt
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss, metrics = loss_and_metrics(sums)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["tokens"] = jnp.sum(batch["lengths"]).astype(jnp.float32)
         if schedule is not None:
             metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
