@@ -181,3 +181,23 @@ def test_prompt_checks_vocab_and_positions(setup):
     assert len(decoder.generate([[1] * 300], 10, baseline=True).tokens[0]) == 10
     with pytest.raises(ValueError, match="exceeds the target's 512 positions"):
         decoder.generate([[1] * 505], 10, baseline=True)
+
+
+def test_a_broken_target_is_an_error_not_garbage(setup, tmp_path, capsys):
+    """A NaN weight makes every logit NaN: the prefill check refuses instead of decoding garbage, through the
+    library and as one error line of the CLI."""
+    tc, tp, dc, dp, prompts, settings, _ = setup
+    broken = jax.tree.map(lambda x: x, tp)
+    broken["norm"] = {"weight": tp["norm"]["weight"].at[3].set(jnp.nan)}
+    with pytest.raises(ValueError, match="logits for prompt 0 are not finite"):
+        Decoder(tc, broken, dc, dp).generate([prompts[0]], 4)
+    from cli_tiny import write_tiny_pair
+    from dflash_jax.checkpoints.hf_target import load_target, save_target
+    from infer.__main__ import main
+
+    target, draft = write_tiny_pair(tmp_path)
+    config, params = load_target(target)
+    params["norm"]["weight"] = params["norm"]["weight"].at[0].set(jnp.inf)
+    save_target(config, params, target)
+    assert main(["--target", str(target), "--ckpt", str(draft), "--prompt", "hi", "--max-new-tokens", "4"]) == 2
+    assert "not finite (NaN or Inf)" in capsys.readouterr().err

@@ -48,6 +48,7 @@ class LoopState(NamedTuple):
     accept: jax.Array  # [B, max_new] acceptance length (accepted drafts + 1) of each round
     drafts: jax.Array  # [B, max_new, K] proposals per round (or [B, 1, K] when not recorded)
     step: jax.Array  # scalar round counter
+    prefill_finite: jax.Array  # [B] the prefill's logits were all finite (checked once, on the host)
 
 
 def _is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
@@ -85,6 +86,7 @@ def prefill(
         out=buf, num_out=jnp.ones((b,), jnp.int32), done=done, rounds=jnp.zeros((b,), jnp.int32),
         accept=jnp.zeros((b, settings.max_new_tokens), jnp.int32),
         drafts=jnp.zeros((b, rec, block - 1), jnp.int32), step=jnp.zeros((), jnp.int32),
+        prefill_finite=jnp.all(jnp.isfinite(out.logits[:, 0]), axis=-1),
     )
 
 
@@ -136,6 +138,7 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
         anchor=jnp.where(active, nxt, s.anchor), start=jnp.where(active, s.start + a + 1, s.start),
         out=out, num_out=num_out, done=s.done | hit_stop | (num_out >= settings.max_new_tokens),
         rounds=s.rounds + active.astype(jnp.int32), accept=accept, drafts=drafts_log, step=s.step + 1,
+        prefill_finite=s.prefill_finite,
     )
 
 
@@ -286,6 +289,10 @@ def generate(
     t0 = time.perf_counter()
     state = jax.block_until_ready(pre_c(target_params, consts, pstate, tokens, lengths, key))
     prefill_s = time.perf_counter() - t0
+    broken = np.flatnonzero(~np.asarray(state.prefill_finite))
+    if broken.size:  # NaN/Inf logits would decode as garbage (or an empty text) with nothing to say why
+        raise ValueError(f"the target's logits for prompt {int(broken[0])} are not finite (NaN or Inf) after the "
+                         "prefill: the target checkpoint is broken (a NaN/Inf weight, or a dtype that overflows)")
     t0 = time.perf_counter()
     if on_tokens is None:
         state = jax.block_until_ready(loop_c(target_params, consts, state, jnp.int32(settings.max_new_tokens)))
