@@ -157,16 +157,6 @@ def place(host_array: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(np.shape(host_array), sharding, lambda index: np.asarray(host_array[index]))
 
 
-def process_batch_slice(global_batch: int) -> slice:
-    """The rows of a global batch that this process loads (processes own contiguous row ranges, in process
-    order, which is how a batch-sharded mesh over all devices lays them out)."""
-    count, index = jax.process_count(), jax.process_index()
-    if global_batch % count:
-        raise ValueError(f"global batch {global_batch} is not divisible by the {count} processes")
-    per = global_batch // count
-    return slice(index * per, (index + 1) * per)
-
-
 def global_batch_from_local(local: Mapping[str, np.ndarray], mesh: Mesh, global_batch: int) -> dict[str, jax.Array]:
     """Assemble per-process host rows into global batch-sharded arrays."""
     out = {}

@@ -56,9 +56,9 @@ def load_target_sharded(path: str | Path, dtype: Any, mesh) -> tuple[TargetConfi
     if orbax_io.is_orbax_dir(path):
         config, params = restore_orbax(path, "target", dtype)
         return config, jax.device_put(params, sharding.tree_shardings(params, mesh))
-    config = TargetConfig.from_json(path / "config.json") if path.is_dir() else None
-    if config is None:
+    if not path.is_dir():
         raise ConfigError(f"{path}: target checkpoint directory not found (target.path)")
+    config = TargetConfig.from_json(path / "config.json")  # the shardings are needed before the tensors
     shardings = sharding.tree_shardings(abstract_target_params(config, dtype), mesh)
 
     def place(param_path: tuple[str, ...], host: np.ndarray) -> jax.Array:
