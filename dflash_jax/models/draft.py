@@ -47,6 +47,17 @@ def context_mask(block_positions: jax.Array, key_positions: jax.Array, key_valid
     return mask
 
 
+def causal_context_mask(query_positions: jax.Array, key_positions: jax.Array, window: int | None) -> jax.Array:
+    """Context positions seeing each other causally (``k_pos <= q_pos``, within the window on sliding
+    layers); used only by the input-injection variant, whose context travels through the layers.
+    ``[B, T]``, ``[B, S]`` -> ``[B, T, S]``."""
+    diff = query_positions[:, :, None] - key_positions[:, None, :]
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    return mask
+
+
 def block_mask(block_positions: jax.Array, window: int | None) -> jax.Array:
     """Block tokens see each other bidirectionally; on sliding layers only within ``|q_pos - k_pos| < window``
     (two-sided, as the official code's flash-attention window; it matters when the window is smaller than
@@ -110,8 +121,22 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.dtype)
 
     def context_kv(self, ctx: jax.Array, positions: jax.Array):
-        """Context is memory only: no input norm, no query, no MLP."""
+        """DFlash: the fused features are memory only (no input norm, no query, no MLP). The input-injection
+        variant treats the context as this layer's ordinary input, normed like any token."""
+        if self.config.context_injection == "input":
+            ctx = self.input_layernorm(ctx)
         return self.self_attn.keys_values(ctx, positions)
+
+    def advance_context(self, ctx: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array,
+                        mask: jax.Array) -> jax.Array:
+        """Input-injection variant only: the context positions' own pass through this layer (causal attention
+        over the context keys/values ``[B, KV, S, D]`` already holding theirs; mask ``[B, T, S]``), giving the
+        next layer's context input."""
+        b, t, _ = ctx.shape
+        q = self.self_attn.queries(self.input_layernorm(ctx), positions)
+        out = attention(q, [(keys, values, mask)])
+        ctx = ctx + self.self_attn.o_proj(out.reshape(b, t, -1))
+        return ctx + self.mlp(self.post_attention_layernorm(ctx))
 
     def __call__(self, x, block_positions, ctx_keys, ctx_values, ctx_mask, blk_mask):
         h = self.input_layernorm(x)
@@ -192,11 +217,17 @@ class DraftModel(nn.Module):
         """Fuse raw target features and store every layer's context keys/values at slot = position."""
         ctx = self.fuse(ctx_features)
         slots = write_slots(ctx_positions, ctx_valid, cache.num_slots)
+        key_positions = jnp.broadcast_to(jnp.arange(cache.num_slots)[None], (ctx.shape[0], cache.num_slots))
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.context_kv(ctx, ctx_positions)
             new_keys.append(write_rows(cache.keys[i], k_ctx, slots))
             new_values.append(write_rows(cache.values[i], v_ctx, slots))
+            if self.config.context_injection == "input" and i + 1 < len(self.layers):
+                # Slots up to a valid position were all committed before or in this write; padding queries
+                # may read stale slots, but their outputs are never written.
+                mask = causal_context_mask(ctx_positions, key_positions, layer.window)
+                ctx = layer.advance_context(ctx, ctx_positions, new_keys[-1], new_values[-1], mask)
         lengths = lengths_after_write(cache.lengths, ctx_positions, ctx_valid)
         return KVCache(tuple(new_keys), tuple(new_values), lengths)
 

@@ -15,6 +15,11 @@ from dflash_jax.models.config import (
 )
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# How the target's features reach the draft. "every_layer" is DFlash (and the only layout the official code
+# runs): each layer projects the fused features into extra keys/values. "input" is the paper's ablation: the
+# fused features are the draft's input at the context positions, which then travel through the layers as
+# ordinary causal tokens, and each layer's block attends to the context's keys/values AT THAT LAYER.
+CONTEXT_INJECTIONS = ("every_layer", "input")
 QWEN3_MAX_WINDOW_LAYERS = 28  # transformers' Qwen3Config default
 
 
@@ -50,6 +55,7 @@ class DraftConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     model_type: str = "qwen3"
+    context_injection: str = "every_layer"
 
     @property
     def num_features(self) -> int:
@@ -119,6 +125,10 @@ class DraftConfig:
                                                    or window <= 0):
             raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window, got {window!r}")
         cap = dflash("final_logit_softcapping")
+        injection = dflash("context_injection", "every_layer")
+        if injection not in CONTEXT_INJECTIONS:
+            raise ConfigError(f"{source}: context_injection must be one of {', '.join(CONTEXT_INJECTIONS)}, "
+                              f"got {injection!r}")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
@@ -145,6 +155,7 @@ class DraftConfig:
             output_multiplier=float(dflash("output_multiplier", 1.0)),
             final_logit_softcapping=float(cap) if cap else None,
             model_type=str(cfg.get("model_type", "qwen3")),
+            context_injection=injection,
         )
 
     @classmethod
@@ -187,6 +198,8 @@ class DraftConfig:
             out["dflash_config"]["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping is not None:
             out["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.context_injection != "every_layer":  # this project's ablation variant; official code ignores it
+            out["dflash_config"]["context_injection"] = self.context_injection
         return out
 
     @classmethod

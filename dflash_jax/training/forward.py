@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.models.draft import DraftModel, SharedHead
+from dflash_jax.models.draft import DraftModel, SharedHead, causal_context_mask
 from dflash_jax.models.layers import to_cache_layout
 
 
@@ -79,14 +79,18 @@ def packed_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_mask, blk_mask):
 
 def _context_kv(module: DraftModel, target_features):
     """Every layer's context keys/values ``[N, KV, L, D]`` (roped at their positions), computed ONCE per
-    sequence and shared by all of its blocks."""
+    sequence and shared by all of its blocks. With input injection the context first travels causally
+    through the layers (position ``s`` sees ``<= s``, all before any anchor that sees ``s``: no leak)."""
     n, length = target_features.shape[:2]
     ctx = module.fuse(target_features)  # [N, L, H], shared by every layer
     ctx_pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (n, length))
     out = []
-    for layer in module.layers:
+    for i, layer in enumerate(module.layers):
         k_ctx, v_ctx = layer.context_kv(ctx, ctx_pos)
         out.append((to_cache_layout(k_ctx), to_cache_layout(v_ctx)))
+        if module.config.context_injection == "input" and i + 1 < len(module.layers):
+            mask = causal_context_mask(ctx_pos, ctx_pos, layer.window)
+            ctx = layer.advance_context(ctx, ctx_pos, *out[-1], mask)
     return tuple(out)
 
 

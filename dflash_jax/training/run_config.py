@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from dflash_jax.models.config import ConfigError
+from dflash_jax.models.draft_config import CONTEXT_INJECTIONS
 
 REQUIRED = object()
 
@@ -35,6 +36,8 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "num_key_value_heads": (None, (int,), "draft key/value heads (default: the target's)"),
         "head_dim": (None, (int,), "draft head size (default: the target's; q/k norms cap attention logits at "
                                    "sqrt(head_dim), so tiny heads cannot focus)"),
+        "context_injection": (None, (str,), "every_layer (DFlash: features as keys/values in every layer) or "
+                                            "input (the paper's ablation: features at the input only)"),
         "init_std": (0.02, (float, int), "std of the normal init of new linear weights (HF initializer_range)"),
     },
     "data": {
@@ -139,6 +142,9 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
         raise ConfigError(f"{source}: train.dtype must be auto, float32 or bfloat16, got {train['dtype']!r}")
     if train["anchors"] not in ("random", "uniform"):
         raise ConfigError(f"{source}: train.anchors must be random or uniform, got {train['anchors']!r}")
+    if out["draft"]["context_injection"] not in (None, *CONTEXT_INJECTIONS):
+        raise ConfigError(f"{source}: draft.context_injection must be one of {', '.join(CONTEXT_INJECTIONS)}, got "
+                          f"{out['draft']['context_injection']!r}")
     if out["draft"]["block_size"] is not None and out["draft"]["block_size"] < 2:
         raise ConfigError(f"{source}: draft.block_size must be at least 2, got {out['draft']['block_size']}")
     if out["output"]["export_dtype"] not in (None, "float32", "bfloat16", "float16"):

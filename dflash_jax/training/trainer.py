@@ -39,7 +39,7 @@ from dflash_jax.training.metrics import MetricsLogger
 from dflash_jax.training.step import StepConfig, TrainState, init_train_state, make_optimizer, make_train_step
 
 NEW_DRAFT_KEYS = ("num_layers", "block_size", "target_layer_ids", "mask_token_id", "intermediate_size",
-                  "num_attention_heads", "num_key_value_heads", "head_dim")
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "context_injection")
 UNIFORM_GAMMA = 1e9  # exp(-(k-1)/gamma) == 1 to float precision: the uniform-weight ablation
 
 
@@ -84,7 +84,8 @@ def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, di
     ids = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else None
     config = DraftConfig.for_target(target, num_layers=d["num_layers"] or 5, block_size=d["block_size"] or 16,
                                     mask_token_id=d["mask_token_id"], target_layer_ids=ids)
-    shape = {k: d[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim") if d[k]}
+    shape = {k: d[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                               "context_injection") if d[k]}
     config = dataclasses.replace(config, **shape)
     if config.num_attention_heads % config.num_key_value_heads:
         raise ConfigError(f"run config: draft.num_attention_heads {config.num_attention_heads} is not a multiple of "
