@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from dflash_jax.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # (pattern on "/".join(path), logical axis of each dimension). Flax kernels are [in, out].
@@ -63,32 +65,32 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int | None = N
         for part in spec.split(","):
             name, sep, value = part.strip().partition("=")
             if not sep:
-                raise ValueError(f"mesh {spec!r}: expected axis=size pairs like 'data=2,fsdp=4', got {part!r}")
+                raise UserError(f"mesh {spec!r}: expected axis=size pairs like 'data=2,fsdp=4', got {part!r}")
             try:
                 sizes[name.strip()] = int(value)
             except ValueError:
-                raise ValueError(f"mesh {spec!r}: size of axis {name.strip()!r} must be an integer, got {value!r}") from None
+                raise UserError(f"mesh {spec!r}: size of axis {name.strip()!r} must be an integer, got {value!r}") from None
     else:
         sizes = dict(spec)
     unknown = sorted(set(sizes) - set(MESH_AXES))
     if unknown:
-        raise ValueError(f"mesh {spec!r}: unknown axis {unknown[0]!r} (axes: {', '.join(MESH_AXES)})")
+        raise UserError(f"mesh {spec!r}: unknown axis {unknown[0]!r} (axes: {', '.join(MESH_AXES)})")
     for name, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
-            raise ValueError(f"mesh {spec!r}: axis {name!r} must be a positive integer or -1, got {size!r}")
+            raise UserError(f"mesh {spec!r}: axis {name!r} must be a positive integer or -1, got {size!r}")
     sizes = {name: sizes.get(name, 1) for name in MESH_AXES}
     free = [n for n, s in sizes.items() if s == -1]
     if len(free) > 1:
-        raise ValueError(f"mesh {spec!r}: only one axis may be -1")
+        raise UserError(f"mesh {spec!r}: only one axis may be -1")
     fixed = int(np.prod([s for s in sizes.values() if s != -1]))
     if free:
         if num_devices % fixed:
-            raise ValueError(f"mesh {spec!r}: {num_devices} devices are not divisible by {fixed}")
+            raise UserError(f"mesh {spec!r}: {num_devices} devices are not divisible by {fixed}")
         sizes[free[0]] = num_devices // fixed
     total = int(np.prod(list(sizes.values())))
     if total != num_devices:
         shown = ",".join(f"{n}={s}" for n, s in sizes.items())
-        raise ValueError(f"mesh {shown} needs {total} devices, but {num_devices} are available")
+        raise UserError(f"mesh {shown} needs {total} devices, but {num_devices} are available")
     return sizes
 
 

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 from dflash_jax.engine.bench import DATASETS, load_datasets, markdown_table, run_bench, write_report
+from dflash_jax.errors import UserError
 from infer.cli import Parser, UsageError, run_cli
 from infer.run import add_model_args, add_sampling_args, load_decoder, read_prompt_file, sampling_of
 
@@ -87,7 +88,7 @@ def bench_main(args: argparse.Namespace) -> int:
     datasets = {}
     if names:
         if not prompts_dir.is_dir():
-            raise FileNotFoundError(f"prompts directory not found: {prompts_dir} (pass --prompts-dir)")
+            raise UserError(f"prompts directory not found: {prompts_dir} (pass --prompts-dir)")
         datasets = load_datasets(prompts_dir, names, args.max_samples or None)
     for f in args.prompt_file:
         name = Path(f).name.split(".")[0]

@@ -1,5 +1,8 @@
-"""What every ``python -m infer`` subcommand shares: argparse that reports instead of exiting, and one
-error policy: a user mistake is one ``error: ...`` line on stderr and exit code 2, never a traceback."""
+"""What every ``python -m infer`` / ``python -m train`` subcommand shares: argparse that reports instead of
+exiting, and one error policy. A user mistake (``UserError``: bad file, config, flag, prompt) or a failure of
+the environment (``OSError``: a missing file, no permission, a full disk; the message names the path) is one
+``error: ...`` line on stderr and exit code 2. Anything else is a bug and keeps its traceback. Ctrl-C is one
+line and exit code 130."""
 
 from __future__ import annotations
 
@@ -7,13 +10,36 @@ import argparse
 import sys
 from typing import Callable
 
-from dflash_jax.checkpoints.safetensors_io import CheckpointError
-from dflash_jax.models.config import ConfigError
+from dflash_jax.errors import UserError
 
-USER_ERRORS = (ConfigError, CheckpointError, ValueError, FileNotFoundError, NotADirectoryError, OSError)
+USER_ERRORS = (UserError, OSError)
 
 
-class UsageError(Exception):
+MAX_SEED = 2**32 - 1
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of every ``--seed``: an integer in ``0 .. 2**32 - 1`` (JAX keys take 32-bit seeds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_SEED}, got {value}")
+    return value
+
+
+def text_arg(text: str) -> str:
+    """argparse type of prompt text: a shell passes bytes that are not UTF-8 as surrogates; refuse them here
+    rather than inside the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text (the argument holds undecodable bytes)") from None
+    return text
+
+
+class UsageError(UserError):
     """A bad command line; reported as one ``error: ...`` line with exit code 2."""
 
 

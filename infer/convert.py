@@ -28,6 +28,7 @@ from typing import Any
 from dflash_jax.checkpoints import orbax_io
 from dflash_jax.checkpoints.loading import restore_orbax
 from dflash_jax.checkpoints.safetensors_io import CheckpointError
+from dflash_jax.errors import UserError
 from dflash_jax.models.config import ConfigError
 from infer.cli import Parser, run_cli
 
@@ -139,7 +140,7 @@ def is_draft_config(cfg: dict) -> bool:
 def detect(src: Path, kind: str) -> tuple[str, str]:
     """``(format, kind)`` of the input: format ``orbax`` or ``hf``, kind ``draft`` or ``target``."""
     if not src.exists():
-        raise FileNotFoundError(f"--from {src}: no such file or directory")
+        raise UserError(f"--from {src}: no such file or directory")
     if not src.is_dir():
         raise CheckpointError(f"--from {src}: expected a checkpoint directory, got a file")
     if orbax_io.is_orbax_dir(src):
@@ -168,14 +169,14 @@ def detect(src: Path, kind: str) -> tuple[str, str]:
 def check_output(src: Path, dst: Path, force: bool) -> None:
     src_r, dst_r = src.resolve(), dst.resolve()
     if dst_r == src_r or dst_r in src_r.parents:
-        raise ValueError(f"--to {dst}: is (or contains) the input directory --from {src}; choose another path")
+        raise UserError(f"--to {dst}: is (or contains) the input directory --from {src}; choose another path")
     if src_r in dst_r.parents:
-        raise ValueError(f"--to {dst}: lies inside the input directory --from {src}; choose another path")
+        raise UserError(f"--to {dst}: lies inside the input directory --from {src}; choose another path")
     if dst.exists() or dst.is_symlink():
         if not dst.is_dir():
-            raise ValueError(f"--to {dst}: exists and is not a directory")
+            raise UserError(f"--to {dst}: exists and is not a directory")
         if any(dst.iterdir()) and not force:
-            raise ValueError(f"--to {dst}: directory is not empty (pass --force to replace its contents)")
+            raise UserError(f"--to {dst}: directory is not empty (pass --force to replace its contents)")
 
 
 def copy_extras(src_dir: Path, dst_dir: Path) -> list[str]:

@@ -14,14 +14,15 @@ import argparse
 import numpy as np
 
 from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET
-from infer.cli import Parser, run_cli
+from dflash_jax.errors import UserError
+from infer.cli import Parser, run_cli, text_arg
 from infer.run import format_summary, load_decoder, summarize
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m infer demo", description=__doc__,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt", default="",
+    parser.add_argument("--prompt", default="", type=text_arg,
                         help="the story's opening (default: none, the model starts from its BOS token)")
     parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
                         help="tokens to generate (default 200, the length llama2.c's own test uses)")
@@ -39,9 +40,9 @@ def _median_run(generate, repeats: int):
 
 def demo_main(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+        raise UserError(f"--repeats must be at least 1, got {args.repeats}")
     print(f"target: stories260K (llama2.c, {DEMO_TARGET.name})\ndraft:  DFlash draft trained by dflash_jax "
           f"({DEMO_DRAFT.name})")
     decoder, tokenizer, stops = load_decoder(argparse.Namespace(

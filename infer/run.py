@@ -14,7 +14,8 @@ from dflash_jax.engine.bench import read_jsonl, read_text_file
 from dflash_jax.engine.decoder import Decoder, decode_continuation, encode_conversation, stop_tokens_of
 from dflash_jax.engine.generate import GenerationResult
 from dflash_jax.engine.sampling import SamplingConfig
-from infer.cli import Parser, UsageError, run_cli
+from dflash_jax.errors import UserError
+from infer.cli import Parser, UsageError, run_cli, seed_arg, text_arg
 
 PROG = "python -m infer"
 
@@ -44,7 +45,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
                         help="0 (default) is greedy; > 0 samples with lossless rejection sampling")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="random seed for sampling (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 success, 2 bad arguments, files or prompts (one 'error: ...' line on stderr).",
     )
     add_model_args(parser, demo_default=True)
-    parser.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+    parser.add_argument("--prompt", action="append", default=[], metavar="TEXT", type=text_arg,
                         help="a prompt (repeat for a batch)")
     parser.add_argument("--prompt-ids", action="append", default=[], metavar="IDS",
                         help="a prompt as comma-separated token ids, fed as is (no BOS or template added; repeat "
@@ -91,9 +92,9 @@ def read_prompt_file(path: Path) -> list[str]:
         try:
             doc = json.loads(read_text_file(path))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+            raise UserError(f"{path}: not valid JSON ({e})") from None
         if not isinstance(doc, list):
-            raise ValueError(f"{path}: expected a JSON list of prompts, got a {type(doc).__name__}")
+            raise UserError(f"{path}: expected a JSON list of prompts, got a {type(doc).__name__}")
         rows = list(enumerate(doc, start=1))
     else:
         rows = read_jsonl(path)
@@ -110,9 +111,9 @@ def read_prompt_file(path: Path) -> list[str]:
             if field:
                 prompts.append(row[field])
                 continue
-        raise ValueError(f"{path}:{where}: no prompt field (one of {', '.join(PROMPT_FIELDS)} or 'turns')")
+        raise UserError(f"{path}:{where}: no prompt field (one of {', '.join(PROMPT_FIELDS)} or 'turns')")
     if not prompts:
-        raise ValueError(f"{path}: no prompts in the file")
+        raise UserError(f"{path}: no prompts in the file")
     return prompts
 
 

@@ -31,7 +31,7 @@ from dflash_jax.checkpoints.hf_target import resolve_dtype
 from dflash_jax.engine.speed import (
     PRESETS, SpeedSettings, format_report, preset_configs, preset_description, preset_models, run_speed,
 )
-from infer.cli import Parser, UsageError, run_cli
+from infer.cli import Parser, UsageError, run_cli, seed_arg
 
 PROG = "python -m infer speed"
 
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "reported (default 10)")
     parser.add_argument("--e2e-repeats", type=positive("--e2e-repeats"), default=1, metavar="N",
                         help="end-to-end generations per mode; the median decode time is reported (default 1)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights and prompts (default 0)")
     parser.add_argument("--json", metavar="FILE", help="also write the full report (every timing) as JSON to FILE")
     return parser
 

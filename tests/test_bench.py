@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import shared_file
+from dflash_jax.errors import UserError
 from dflash_jax.engine.bench import (DATASETS, MATH_SUFFIX, conversation_ids, load_datasets, markdown_table,
                                      summarize_dataset)
 from infer import bench as bench_cli
@@ -107,11 +108,11 @@ def test_malformed_rows_name_the_file_and_line(tmp_path):
 def test_missing_file_and_unknown_name(tmp_path):
     root = write_prompts(tmp_path / "prompts")
     (root / "math500_test.jsonl").unlink()
-    with pytest.raises(FileNotFoundError, match="math500_test.jsonl"):
+    with pytest.raises(UserError, match="math500_test.jsonl"):
         load_datasets(root, ["math500"])
     with pytest.raises(ValueError, match="valid names: gsm8k, math500"):
         load_datasets(root, ["gsm9k"])
-    with pytest.raises(FileNotFoundError, match="prompts directory"):
+    with pytest.raises(UserError, match="prompts directory"):
         load_datasets(tmp_path / "nowhere", ["gsm8k"])
 
 

@@ -224,8 +224,8 @@ def test_validate_against_errors_name_field_and_both_values(draft_overrides, tar
     ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None},
      r"sliding_attention layers need a positive sliding_window, got None"),
     ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 0},
-     r"sliding_attention layers need a positive sliding_window, got 0"),
-    ({"block_size": 1}, r"block_size must be at least 2, got 1"),
+     r"field 'sliding_window' must be between 1 and 2147483647, got 0"),
+    ({"block_size": 1}, r"field 'block_size' must be between 2 and 1024, got 1"),
     ({"hidden_size": None}, r"missing required field 'hidden_size'"),
     ({"num_target_layers": None}, r"missing required field 'num_target_layers'"),
     ({"dflash_config": {"target_layer_ids": [], "mask_token_id": 5}}, r"target_layer_ids must be a non-empty list"),
@@ -304,5 +304,5 @@ def test_sliding_window_settings_as_the_official_code_reads_them():
     default = DraftConfig.from_dict(official_config(layer_types=None, sliding_window=16))
     assert default.layer_types == ("full_attention",) * 2  # 2 layers < the default max_window_layers 28
     assert DraftConfig.from_dict(official_config(layer_types=None)).layer_types == ("full_attention",) * 2
-    with pytest.raises(ConfigError, match="max_window_layers must be a non-negative integer"):
+    with pytest.raises(ConfigError, match="field 'max_window_layers' must be an integer, got 'x'"):
         DraftConfig.from_dict(official_config(layer_types=None, sliding_window=16, max_window_layers="x"))

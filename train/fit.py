@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from dflash_jax.errors import UserError
 from infer.cli import Parser, run_cli
 
 PROG = "python -m train fit"
@@ -35,16 +36,16 @@ def setup_devices(args: argparse.Namespace) -> None:
     """Must run before JAX touches a backend."""
     if args.cpu_devices:
         if args.cpu_devices < 1:
-            raise ValueError(f"--cpu-devices must be positive, got {args.cpu_devices}")
+            raise UserError(f"--cpu-devices must be positive, got {args.cpu_devices}")
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     explicit = [args.coordinator, args.num_processes, args.process_id]
     if any(v is not None for v in explicit):
         if any(v is None for v in explicit):
-            raise ValueError("--coordinator, --num-processes and --process-id go together")
+            raise UserError("--coordinator, --num-processes and --process-id go together")
         if not 0 <= args.process_id < args.num_processes:
-            raise ValueError(f"--process-id {args.process_id} must be in 0..{args.num_processes - 1}")
+            raise UserError(f"--process-id {args.process_id} must be in 0..{args.num_processes - 1}")
         import jax
 
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from infer.cli import Parser, run_cli
+from dflash_jax.errors import UserError
+from infer.cli import Parser, run_cli, seed_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="regenerated openings: a JSONL file or a 'train regenerate' output directory")
     parser.add_argument("--out", required=True, metavar="DIR", help="where the two prompt files are written")
     parser.add_argument("--held-out", type=int, default=256, metavar="N", help="held-out prompts (default 256)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the split (default 0)")
     return parser
 
 
@@ -28,7 +29,7 @@ def openings_main(args: argparse.Namespace) -> int:
     from dflash_jax.data.openings import make_opening_prompts
 
     if args.held_out < 1:
-        raise ValueError(f"--held-out must be at least 1, got {args.held_out}")
+        raise UserError(f"--held-out must be at least 1, got {args.held_out}")
     stats = make_opening_prompts(args.source, args.out, args.held_out, args.seed)
     print(f"{stats['read']} openings read ({stats['skipped']} malformed rows skipped): {stats['train']} training "
           f"prompts, {stats['held_out']} held out, in {args.out}")

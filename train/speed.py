@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from dflash_jax.errors import UserError
 from infer.cli import Parser, run_cli
 from train.fit import add_device_args, setup_devices
 
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def speed_main(args: argparse.Namespace) -> int:
     if args.steps < 1:
-        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+        raise UserError(f"--steps must be at least 1, got {args.steps}")
     setup_devices(args)
     from dflash_jax.training.run_config import load_run_config
     from dflash_jax.training.trainer import measure_step, prepare_run

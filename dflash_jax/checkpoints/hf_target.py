@@ -17,6 +17,7 @@ from dflash_jax.checkpoints.safetensors_io import (
     params_to_tensors,
     save_tensors,
 )
+from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.target import TargetModel
 
@@ -27,7 +28,7 @@ DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
 def resolve_dtype(dtype: Any) -> Any:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+            raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
         return DTYPES[dtype]
     return dtype
 

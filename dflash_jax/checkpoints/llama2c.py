@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from dflash_jax.errors import UserError
+
 __all__ = [
     "Llama2cConfig",
     "convert_llama2c",
@@ -103,9 +105,9 @@ class Llama2cConfig:
 
 def _check_file(path: Path, what: str) -> None:
     if not path.exists():
-        raise ValueError(f"{what} not found: {path}")
+        raise UserError(f"{what} not found: {path}")
     if not path.is_file():
-        raise ValueError(f"{what} is not a regular file: {path}")
+        raise UserError(f"{what} is not a regular file: {path}")
 
 
 def read_llama2c_header(bin_path: str | Path) -> Llama2cConfig:
@@ -117,11 +119,11 @@ def read_llama2c_header(bin_path: str | Path) -> Llama2cConfig:
     _check_file(path, "llama2.c checkpoint")
     size = path.stat().st_size
     if size < _HEADER.size:
-        raise ValueError(f"{path}: {size} bytes is too small for the {_HEADER.size}-byte llama2.c header")
+        raise UserError(f"{path}: {size} bytes is too small for the {_HEADER.size}-byte llama2.c header")
     with path.open("rb") as f:
         raw = f.read(_HEADER.size)
     if struct.unpack_from("<I", raw)[0] == _VERSIONED_MAGIC:
-        raise ValueError(
+        raise UserError(
             f"{path}: this is a versioned llama2.c export (magic 'ak42'); only the legacy version-0 format "
             "that run.c reads is supported (re-export with export.py --version 0)"
         )
@@ -137,13 +139,13 @@ def read_llama2c_header(bin_path: str | Path) -> Llama2cConfig:
     }
     bad = [f"{k}={v}" for k, v in fields.items() if v <= 0]
     if bad:
-        raise ValueError(f"{path}: not a llama2.c checkpoint, non-positive header field(s) {', '.join(bad)}")
+        raise UserError(f"{path}: not a llama2.c checkpoint, non-positive header field(s) {', '.join(bad)}")
     if dim % n_heads:
-        raise ValueError(f"{path}: dim={dim} is not divisible by n_heads={n_heads}")
+        raise UserError(f"{path}: dim={dim} is not divisible by n_heads={n_heads}")
     if (dim // n_heads) % 2:
-        raise ValueError(f"{path}: head size {dim // n_heads} is odd, RoPE needs pairs of dimensions")
+        raise UserError(f"{path}: head size {dim // n_heads} is odd, RoPE needs pairs of dimensions")
     if n_heads % n_kv_heads:
-        raise ValueError(f"{path}: n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
+        raise UserError(f"{path}: n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}")
 
     cfg = Llama2cConfig(
         dim=dim,
@@ -157,7 +159,7 @@ def read_llama2c_header(bin_path: str | Path) -> Llama2cConfig:
     )
     expected = cfg.expected_file_size()
     if size != expected:
-        raise ValueError(
+        raise UserError(
             f"{path}: file is {size} bytes but its header ({', '.join(f'{k}={v}' for k, v in fields.items())}, "
             f"{'shared' if cfg.shared_classifier else 'separate'} classifier) implies {expected} bytes; "
             "the file is truncated, padded, or not a llama2.c version-0 checkpoint"
@@ -184,7 +186,7 @@ def read_llama2c(bin_path: str | Path) -> tuple[Llama2cConfig, dict[str, np.ndar
     del flat  # release the mapping now rather than whenever the GC gets to it
     for name, array in weights.items():
         if not np.isfinite(array).all():
-            raise ValueError(f"{path}: weight block {name!r} contains NaN or Inf; not a usable checkpoint")
+            raise UserError(f"{path}: weight block {name!r} contains NaN or Inf; not a usable checkpoint")
     return cfg, weights
 
 
@@ -197,7 +199,7 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """
     out_dim, in_dim = w.shape
     if out_dim % n_heads or (out_dim // n_heads) % 2:
-        raise ValueError(f"cannot split {out_dim} rows into {n_heads} heads of even size")
+        raise UserError(f"cannot split {out_dim} rows into {n_heads} heads of even size")
     head_dim = out_dim // n_heads
     return w.reshape(n_heads, head_dim // 2, 2, in_dim).transpose(0, 2, 1, 3).reshape(out_dim, in_dim)
 
@@ -239,9 +241,9 @@ def _load_sentencepiece_proto(path: Path) -> Any:
     try:
         proto.ParseFromString(path.read_bytes())
     except DecodeError as e:
-        raise ValueError(f"{path}: not a SentencePiece model ({e})") from e
+        raise UserError(f"{path}: not a SentencePiece model ({e})") from e
     if not proto.pieces:
-        raise ValueError(f"{path}: not a SentencePiece model (no pieces)")
+        raise UserError(f"{path}: not a SentencePiece model (no pieces)")
     return proto
 
 
@@ -258,19 +260,19 @@ def _build_tokenizer(proto: Any, path: Path) -> Any:
     piece_type = sentencepiece_model_pb2.ModelProto.SentencePiece
     trainer, norm = proto.trainer_spec, proto.normalizer_spec
     if trainer.model_type != sentencepiece_model_pb2.TrainerSpec.BPE:
-        raise ValueError(f"{path}: SentencePiece model type must be BPE for llama2.c tokenizers")
+        raise UserError(f"{path}: SentencePiece model type must be BPE for llama2.c tokenizers")
     if not trainer.byte_fallback:
-        raise ValueError(f"{path}: SentencePiece model has no byte fallback, unlike llama2.c tokenizers")
+        raise UserError(f"{path}: SentencePiece model has no byte fallback, unlike llama2.c tokenizers")
     if trainer.treat_whitespace_as_suffix or not norm.escape_whitespaces:
-        raise ValueError(f"{path}: unsupported SentencePiece whitespace handling")
+        raise UserError(f"{path}: unsupported SentencePiece whitespace handling")
     if (trainer.bos_id, trainer.eos_id) != (_BOS_ID, _EOS_ID):
-        raise ValueError(
+        raise UserError(
             f"{path}: BOS/EOS ids are {trainer.bos_id}/{trainer.eos_id}, but llama2.c assumes {_BOS_ID}/{_EOS_ID}"
         )
 
     vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
     if len(vocab) != len(proto.pieces):
-        raise ValueError(f"{path}: SentencePiece model has duplicate pieces")
+        raise UserError(f"{path}: SentencePiece model has duplicate pieces")
     ranked: list[tuple[float, int, str, str]] = []
     for i, p in enumerate(proto.pieces):
         if p.type != piece_type.NORMAL:
@@ -339,7 +341,7 @@ def convert_llama2c(
     from safetensors.numpy import save_file
 
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        raise UserError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
     bin_path, tok_path, out = Path(bin_path), Path(tokenizer_model_path), Path(out_dir)
     _check_file(tok_path, "SentencePiece tokenizer model")
 
@@ -347,7 +349,7 @@ def convert_llama2c(
     cfg, weights = read_llama2c(bin_path)
     proto = _load_sentencepiece_proto(tok_path)
     if len(proto.pieces) != cfg.vocab_size:
-        raise ValueError(
+        raise UserError(
             f"{tok_path}: tokenizer has {len(proto.pieces)} pieces but {bin_path} has vocab_size={cfg.vocab_size}"
         )
     tokenizer = _build_tokenizer(proto, tok_path)

@@ -57,6 +57,10 @@ def restore_params(path: str | Path, dtype: Any = None) -> tuple[dict, dict]:
     meta = read_meta(path)
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(path / PARAMS_DIR)
+    for leaf_path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating):  # a cast would hide a wrong checkpoint
+            raise CheckpointError(f"{path}: parameter {jax.tree_util.keystr(leaf_path)} is stored as {leaf.dtype}; "
+                                  "weights must be floating point")
     if dtype is not None:
         params = jax.tree.map(lambda a: jax.numpy.asarray(a, dtype), params)
     else:

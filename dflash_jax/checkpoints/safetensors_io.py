@@ -19,12 +19,15 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
+from dflash_jax.errors import UserError
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be loaded as asked; the message names the file and the key."""
 
 
@@ -85,9 +88,18 @@ class SafetensorsDir:
         index = self.path / INDEX_FILE
         if index.is_file():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: malformed index ({e})") from None
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: malformed index ({type(e).__name__}: {e})") from None
+            if not isinstance(weight_map, dict) or not weight_map or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> file "
+                                      f"name, got {str(weight_map)[:80]!r}")
+            for name in set(weight_map.values()):
+                # Shards are bare file names next to the index: a path could read any file on the machine.
+                # (Checked lexically, not by resolving: hub caches store shards as symlinks into a blob store.)
+                if Path(name).name != name or name in (".", ".."):
+                    raise CheckpointError(f"{index}: shard {name!r} is not a file name inside {self.path}")
             files = sorted({self.path / name for name in weight_map.values()})
             for f in files:
                 if not f.is_file():
@@ -119,11 +131,18 @@ class SafetensorsDir:
             self._handles[f] = safe_open(str(f), framework="numpy")
         return self._handles[f].get_tensor(key)
 
-    def shape(self, key: str) -> tuple[int, ...]:
+    def _slice(self, key: str) -> Any:
         f = self.key_to_file[key]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="numpy")
-        return tuple(self._handles[f].get_slice(key).get_shape())
+        return self._handles[f].get_slice(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._slice(key).get_shape())
+
+    def dtype_name(self, key: str) -> str:
+        """The stored dtype as safetensors names it (``F32``, ``BF16``, ``I8``, ``BOOL``, ...)."""
+        return str(self._slice(key).get_dtype())
 
 
 def load_params(
@@ -159,6 +178,10 @@ def load_params(
             raise CheckpointError(
                 f"{source.file_of(key)}: tensor {key!r} has shape {list(stored_shape)}, expected {list(expected)}"
             )
+        stored_dtype = source.dtype_name(key)
+        if stored_dtype not in FLOAT_DTYPES:  # casting integers or booleans would make a silently wrong model
+            raise CheckpointError(f"{source.file_of(key)}: tensor {key!r} is stored as {stored_dtype}; weights must "
+                                  f"be floating point ({', '.join(FLOAT_DTYPES)})")
         arr = source.get(key)
         if transpose:
             arr = np.ascontiguousarray(arr.T)

@@ -29,13 +29,15 @@ import os
 from pathlib import Path
 from typing import IO, Any, Iterator, Union
 
+from dflash_jax.errors import UserError
+
 ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
 PROMPT_KEYS = ("prompt", "instruction", "question")
 RESPONSE_KEYS = ("response", "completion", "output", "answer")
 REGENERATE_SETTINGS = "regenerate.json"  # written by dflash_jax.data.regenerate next to its shards
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A data problem the user can fix; the message names the file (and the line for a row)."""
 
 

@@ -14,6 +14,8 @@ from typing import Any, Iterator, Mapping
 import grain
 import numpy as np
 
+from dflash_jax.errors import UserError
+
 FIELDS = ("tokens", "loss_mask", "lengths")
 
 
@@ -44,10 +46,10 @@ def make_dataset(arrays: Mapping[str, np.ndarray], global_batch: int, *, seed: i
     """Batches of this process: ``global_batch / process_count`` rows each, one per optimizer step."""
     num_rows = len(ArraySource(arrays))
     if global_batch % process_count:
-        raise ValueError(f"global batch {global_batch} is not divisible by the {process_count} processes")
+        raise UserError(f"global batch {global_batch} is not divisible by the {process_count} processes")
     steps = steps_per_run(num_rows, global_batch, epochs)
     if steps < 1:
-        raise ValueError(f"{num_rows} rows x {epochs} epochs do not fill one global batch of {global_batch}")
+        raise UserError(f"{num_rows} rows x {epochs} epochs do not fill one global batch of {global_batch}")
     local = global_batch // process_count
     ds = grain.MapDataset.source(ArraySource(arrays)).shuffle(seed=seed).repeat(epochs)
     ds = ds.batch(local, drop_remainder=True)[: steps * process_count]

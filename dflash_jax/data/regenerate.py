@@ -35,6 +35,7 @@ from dflash_jax.data.formats import (
 from dflash_jax.data.tokenize import plain_prompt_ids
 from dflash_jax.engine.decoder import decode_continuation, encode_conversation
 from dflash_jax.engine.sampling import SamplingConfig
+from dflash_jax.errors import UserError
 
 FORMAT_VERSION = 1
 
@@ -256,9 +257,9 @@ def regenerate(decoder: Any, tokenizer: Any, examples: Sequence[Example], out_di
     docstring). Returns the statistics of this run (complete shards found are counted, not re-read)."""
     for name, value in (("batch_size", batch_size), ("shard_size", shard_size), ("max_new_tokens", max_new_tokens)):
         if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+            raise UserError(f"{name} must be at least 1, got {value}")
     if seed < 0:
-        raise ValueError(f"seed must be non-negative, got {seed}")
+        raise UserError(f"seed must be non-negative, got {seed}")
     if not examples:
         raise DataError("nothing to regenerate: no examples")
     decoder.check_fits([1], max_new_tokens)  # max_new_tokens alone must fit the target's positions

@@ -44,6 +44,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dflash_jax.data.formats import DataError, Example, PlainText, atomic_write
+from dflash_jax.errors import UserError
 
 # Stands in for an assistant answer while rendering the template: letters and digits only, so that no
 # template filter (trim, tojson, escaping) alters it.
@@ -165,7 +166,7 @@ def assemble(prefix: Sequence[int], pieces: Sequence[Sequence[int]], trained: Se
 
 def _check_max_length(max_length: int) -> None:
     if max_length < 2:
-        raise ValueError(f"max_length must be at least 2, got {max_length}")
+        raise UserError(f"max_length must be at least 2, got {max_length}")
 
 
 def encode_example(tokenizer: Any, example: Example, max_length: int, use_chat_template: bool = True,

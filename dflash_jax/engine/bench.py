@@ -34,6 +34,7 @@ import numpy as np
 
 from dflash_jax.engine.decoder import encode_conversation
 from dflash_jax.engine.sampling import SamplingConfig
+from dflash_jax.errors import UserError
 
 MATH_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_TEMPLATE = (
@@ -50,14 +51,14 @@ Sample = list[str]  # the user turns of one conversation
 
 def read_text_file(path: Path) -> str:
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: prompt file not found")
+        raise UserError(f"{path}: prompt file not found")
     try:
         if path.suffix == ".gz":
             with gzip.open(path, "rt", encoding="utf-8") as f:
                 return f.read()
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:
-        raise ValueError(f"{path}: cannot read ({e})") from None
+        raise UserError(f"{path}: cannot read ({e})") from None
 
 
 def read_jsonl(path: Path) -> list[tuple[int, Any]]:
@@ -69,16 +70,16 @@ def read_jsonl(path: Path) -> list[tuple[int, Any]]:
         try:
             rows.append((lineno, json.loads(line)))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise UserError(f"{path}: no rows")
     return rows
 
 
 def _string_field(path: Path, where: str, row: Any, field: str) -> str:
     value = row.get(field) if isinstance(row, dict) else None
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{path}:{where}: expected an object with a non-empty string field '{field}'")
+        raise UserError(f"{path}:{where}: expected an object with a non-empty string field '{field}'")
     return value
 
 
@@ -112,15 +113,15 @@ def load_mbpp(prompts_dir: Path | str) -> list[Sample]:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
     if not isinstance(rows, list):
-        raise ValueError(f"{path}: expected a JSON list of tasks")
+        raise UserError(f"{path}: expected a JSON list of tasks")
     lo, hi = MBPP_TEST_IDS
     samples = []
     for i, row in enumerate(rows):
         task_id = row.get("task_id") if isinstance(row, dict) else None
         if not isinstance(task_id, int):
-            raise ValueError(f"{path}:entry {i}: expected an object with an integer 'task_id'")
+            raise UserError(f"{path}:entry {i}: expected an object with an integer 'task_id'")
         prompt = _string_field(path, f"entry {i} (task_id {task_id})", row, "prompt")
         if lo <= task_id <= hi:
             samples.append([prompt])
@@ -136,7 +137,7 @@ def load_mt_bench(prompts_dir: Path | str) -> list[Sample]:
     for n, row in read_jsonl(path):
         turns = row.get("turns") if isinstance(row, dict) else None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-            raise ValueError(f"{path}:{n}: expected an object with 'turns', a non-empty list of strings")
+            raise UserError(f"{path}:{n}: expected an object with 'turns', a non-empty list of strings")
         samples.append(list(turns))
     return samples
 
@@ -158,10 +159,10 @@ def load_datasets(prompts_dir: Path | str, names: Sequence[str], max_samples: in
     """The first ``max_samples`` samples (file order; None or 0 = all) of each named dataset."""
     prompts_dir = Path(prompts_dir)
     if not prompts_dir.is_dir():
-        raise FileNotFoundError(f"{prompts_dir}: prompts directory not found")
+        raise UserError(f"{prompts_dir}: prompts directory not found")
     unknown = [n for n in names if n not in DATASETS]
     if unknown:
-        raise ValueError(f"unknown dataset {', '.join(map(repr, unknown))}; valid names: {', '.join(DATASETS)}")
+        raise UserError(f"unknown dataset {', '.join(map(repr, unknown))}; valid names: {', '.join(DATASETS)}")
     out = {}
     for name in names:
         samples = DATASETS[name](prompts_dir)
@@ -241,7 +242,7 @@ def run_bench(
     from tqdm import tqdm
 
     if not decoder.has_draft:
-        raise ValueError("the benchmark needs a draft (DFlash) as well as the target")
+        raise UserError("the benchmark needs a draft (DFlash) as well as the target")
     block = int(decoder.block_size)
     greedy = sampling.greedy
     rows: list[dict] = []

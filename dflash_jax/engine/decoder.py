@@ -16,6 +16,7 @@ from dflash_jax.checkpoints.hf_target import resolve_dtype
 from dflash_jax.engine.generate import DecodeSettings, GenerationResult, cache_slots, generate, prompt_width
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer
 from dflash_jax.engine.sampling import SamplingConfig
+from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig, read_json_object
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig
@@ -37,7 +38,7 @@ class Decoder:
             if self.block_size is None:
                 self.block_size = self.draft_config.block_size
             if not 2 <= self.block_size <= self.draft_config.block_size:
-                raise ValueError(
+                raise UserError(
                     f"--block-size {self.block_size} must be between 2 and the draft's block_size "
                     f"{self.draft_config.block_size}"
                 )

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.engine.sampling import SamplingConfig, accept_greedy, accept_sampling, select
+from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.target import TargetModel, init_cache
 
@@ -31,7 +32,7 @@ class DecodeSettings:
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
 class LoopState(NamedTuple):
@@ -207,7 +208,7 @@ def prompt_width(longest: int, max_new_tokens: int, max_positions: int) -> int:
     """Padded prompt width for a batch: the power-of-two bucket, shrunk when padding alone would push the cache
     past ``max_positions`` (only the real prompt plus ``max_new_tokens`` must fit)."""
     if longest + max_new_tokens > max_positions:
-        raise ValueError(
+        raise UserError(
             f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds the target's "
             f"{max_positions} positions (max_position_embeddings); shorten the prompt or lower max_new_tokens"
         )
@@ -250,12 +251,12 @@ def generate(
     tokens so far after each chunk (streaming); otherwise the whole decode is one device call.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+        raise UserError("every prompt needs at least one token")
     vocab = target_config.vocab_size
     for i, p in enumerate(prompts):
         bad = [t for t in p if not 0 <= int(t) < vocab]
         if bad:  # JAX would not fail: the embedding lookup of an out-of-range id gives NaN
-            raise ValueError(f"prompt {i} has token id {bad[0]} outside the target's vocabulary (0..{vocab - 1}); "
+            raise UserError(f"prompt {i} has token id {bad[0]} outside the target's vocabulary (0..{vocab - 1}); "
                              "is the tokenizer the target's own?")
     longest = max(len(p) for p in prompts)
     max_positions = target_config.max_position_embeddings
@@ -291,7 +292,7 @@ def generate(
     prefill_s = time.perf_counter() - t0
     broken = np.flatnonzero(~np.asarray(state.prefill_finite))
     if broken.size:  # NaN/Inf logits would decode as garbage (or an empty text) with nothing to say why
-        raise ValueError(f"the target's logits for prompt {int(broken[0])} are not finite (NaN or Inf) after the "
+        raise UserError(f"the target's logits for prompt {int(broken[0])} are not finite (NaN or Inf) after the "
                          "prefill: the target checkpoint is broken (a NaN/Inf weight, or a dtype that overflows)")
     t0 = time.perf_counter()
     if on_tokens is None:

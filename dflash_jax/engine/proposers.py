@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.engine.sampling import SamplingConfig, argmax, probabilities, sample
+from dflash_jax.errors import UserError
 from dflash_jax.models.draft import DraftModel, SharedHead, init_draft_cache
 from dflash_jax.models.draft_config import DraftConfig
 
@@ -44,7 +45,7 @@ class DFlashProposer:
 
     def __post_init__(self):
         if not 2 <= self.block_size <= self.config.block_size:
-            raise ValueError(
+            raise UserError(
                 f"block size {self.block_size} must be between 2 and the draft's block_size {self.config.block_size}"
             )
 

@@ -16,6 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.errors import UserError
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -27,13 +29,13 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
-            raise ValueError(f"temperature and top_p must be finite numbers, got {self.temperature}, {self.top_p}")
+            raise UserError(f"temperature and top_p must be finite numbers, got {self.temperature}, {self.top_p}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -48,6 +48,7 @@ from dflash_jax.engine.generate import (
 )
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
 from dflash_jax.engine.sampling import SamplingConfig
+from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig, default_target_layer_ids
@@ -101,12 +102,12 @@ def preset_configs(name: str, block_size: int | None = None,
         from dflash_jax.configs import load_pairing
 
         if draft_layers is not None:
-            raise ValueError(f"--draft-layers applies to the shape presets ({', '.join(SHAPE_PRESETS)}), "
+            raise UserError(f"--draft-layers applies to the shape presets ({', '.join(SHAPE_PRESETS)}), "
                              f"not to {name!r}, whose draft is the released one's shape")
         pairing = load_pairing(PAIRING_PRESETS[name])
         return pairing.target, pairing.draft
     if name not in SHAPE_PRESETS:
-        raise ValueError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+        raise UserError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
     p = SHAPE_PRESETS[name]
     target = TargetConfig.from_dict(dict(
         model_type="qwen3", vocab_size=p.vocab_size, hidden_size=p.hidden_size,
@@ -117,7 +118,7 @@ def preset_configs(name: str, block_size: int | None = None,
     ), source=f"preset {name}")
     layers = p.draft_layers if draft_layers is None else draft_layers
     if layers < 1:
-        raise ValueError(f"--draft-layers must be at least 1, got {layers}")
+        raise UserError(f"--draft-layers must be at least 1, got {layers}")
     ids = p.feature_layers if draft_layers is None else None
     if ids is None and len(set(default_target_layer_ids(p.num_hidden_layers, layers))) < layers:
         ids = tuple(int(i) for i in np.linspace(0, p.num_hidden_layers - 1, layers).round())
@@ -166,7 +167,7 @@ def preset_models(name: str, block_size: int | None = None, dtype: Any = jnp.flo
                   draft_layers: int | None = None) -> tuple[TargetConfig, dict, DraftConfig, dict]:
     target, draft = preset_configs(name, block_size, draft_layers)
     if block_size is not None and not 2 <= block_size <= draft.block_size:
-        raise ValueError(f"--block-size {block_size} must be between 2 and the draft's block_size {draft.block_size}")
+        raise UserError(f"--block-size {block_size} must be between 2 and the draft's block_size {draft.block_size}")
     target_params = random_params(abstract_target_params(target, dtype), seed)
     draft_params = random_params(abstract_draft_params(draft, dtype), seed + 1)
     return target, target_params, draft, draft_params
@@ -266,7 +267,7 @@ class SpeedSettings:
         ]
         for ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise UserError(message)
 
 
 def random_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[list[int]]:

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Mapping
+
+from dflash_jax.errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration value that this project cannot use; the message names the source and the field."""
 
 
@@ -35,8 +38,8 @@ class RopeConfig:
 def parse_rope(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
     """Read RoPE settings from either the 4.x layout (top-level ``rope_theta``/``rope_scaling``) or the 5.x
     layout (``rope_parameters``), since released checkpoints and freshly saved ones differ."""
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
+    params = {} if cfg.get("rope_parameters") is None else cfg["rope_parameters"]
+    scaling = {} if cfg.get("rope_scaling") is None else cfg["rope_scaling"]
     for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{source}: {key} must be an object or null, got {value!r}")
@@ -50,21 +53,18 @@ def parse_rope(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
         raise ConfigError(
             f"{source}: rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    theta = float(merged.get("rope_theta", 10000.0))
-    if theta <= 0:
-        raise ConfigError(f"{source}: rope_theta must be positive, got {theta}")
+    theta = float_field(merged, "rope_theta", source, 10000.0, positive=True)
     kw: dict[str, Any] = {"theta": theta, "rope_type": rope_type}
+    where = f"{source} (rope scaling)"
     if rope_type in ("linear", "llama3"):
-        if "factor" not in merged:
-            raise ConfigError(f"{source}: rope type {rope_type!r} needs a 'factor'")
-        kw["factor"] = float(merged["factor"])
+        kw["factor"] = float_field(merged, "factor", where, positive=True)
     if rope_type == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            if key not in merged:
-                raise ConfigError(f"{source}: rope type 'llama3' needs {key!r}")
-        kw["low_freq_factor"] = float(merged["low_freq_factor"])
-        kw["high_freq_factor"] = float(merged["high_freq_factor"])
-        kw["original_max_position_embeddings"] = int(merged["original_max_position_embeddings"])
+        kw["low_freq_factor"] = float_field(merged, "low_freq_factor", where, positive=True)
+        kw["high_freq_factor"] = float_field(merged, "high_freq_factor", where, positive=True)
+        if kw["high_freq_factor"] <= kw["low_freq_factor"]:
+            raise ConfigError(f"{where}: high_freq_factor ({kw['high_freq_factor']}) must exceed low_freq_factor "
+                              f"({kw['low_freq_factor']})")
+        kw["original_max_position_embeddings"] = int_field(merged, "original_max_position_embeddings", where)
     return RopeConfig(**kw)
 
 
@@ -106,18 +106,95 @@ def read_config_json(path: str | Path, what: str) -> tuple[Path, dict]:
     return path, read_json_object(path, f"{what} file")
 
 
-def require(cfg: Mapping[str, Any], key: str, source: str, kind: type = int) -> Any:
-    """Fetch a mandatory field, checking presence and type, with a message naming source and key."""
-    if key not in cfg or cfg[key] is None:
-        raise ConfigError(f"{source}: missing required field {key!r}")
+_REQUIRED = object()
+MAX_INT32 = 2**31 - 1  # sizes, positions and token ids are int32 on the device
+MAX_LAYERS = 4096
+
+
+def _present(cfg: Mapping[str, Any], key: str) -> bool:
+    return key in cfg and cfg[key] is not None
+
+
+def int_field(cfg: Mapping[str, Any], key: str, source: str, default: Any = _REQUIRED, minimum: int = 1,
+              maximum: int = MAX_INT32) -> Any:
+    """An integer field (JSON booleans and floats refused) within ``[minimum, maximum]``; absent or null gives
+    ``default`` (an error when there is none). Every message names the source and the field."""
+    if not _present(cfg, key):
+        if default is _REQUIRED:
+            raise ConfigError(f"{source}: missing required field {key!r}")
+        return default
     value = cfg[key]
-    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+    if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{source}: field {key!r} must be an integer, got {value!r}")
-    if kind is float and not isinstance(value, (int, float)):
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{source}: field {key!r} must be between {minimum} and {maximum}, got {value}")
+    return value
+
+
+def float_field(cfg: Mapping[str, Any], key: str, source: str, default: Any = _REQUIRED,
+                positive: bool = False, below: float | None = None) -> Any:
+    """A finite number (booleans refused), optionally ``> 0`` and ``< below``; absent or null gives
+    ``default``."""
+    if not _present(cfg, key):
+        if default is _REQUIRED:
+            raise ConfigError(f"{source}: missing required field {key!r}")
+        return default
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{source}: field {key!r} must be a number, got {value!r}")
-    if kind is int and value <= 0:
-        raise ConfigError(f"{source}: field {key!r} must be positive, got {value}")
-    return kind(value)
+    if not math.isfinite(value):
+        raise ConfigError(f"{source}: field {key!r} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ConfigError(f"{source}: field {key!r} must be positive, got {value!r}")
+    if below is not None and value >= below:
+        raise ConfigError(f"{source}: field {key!r} must be below {below}, got {value!r}")
+    return float(value)
+
+
+def bool_field(cfg: Mapping[str, Any], key: str, source: str, default: bool) -> bool:
+    """``true``/``false`` only: the string "false" or the number 0 is a mistake, not a boolean."""
+    if not _present(cfg, key):
+        return default
+    value = cfg[key]
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: field {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def token_ids_field(cfg: Mapping[str, Any], key: str, source: str, vocab_size: int) -> tuple[int, ...]:
+    """A token id or a list of them (``eos_token_id``), each inside the vocabulary; null means none."""
+    value = cfg.get(key)
+    if value is None:
+        return ()
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < vocab_size:
+            raise ConfigError(f"{source}: field {key!r} must be a token id or a list of token ids in "
+                              f"0..{vocab_size - 1}, got {value!r}")
+    return tuple(items)
+
+
+def require(cfg: Mapping[str, Any], key: str, source: str) -> int:
+    """A mandatory positive integer field."""
+    return int_field(cfg, key, source)
+
+
+def attention_shape(cfg: Mapping[str, Any], source: str) -> tuple[int, int, int, int]:
+    """``hidden_size, num_attention_heads, num_key_value_heads, head_dim`` checked together (target and
+    draft alike): KV heads divide the query heads, head_dim defaults to hidden/heads and is even for RoPE."""
+    hidden = require(cfg, "hidden_size", source)
+    heads = require(cfg, "num_attention_heads", source)
+    kv_heads = int_field(cfg, "num_key_value_heads", source, heads)
+    if heads % kv_heads:
+        raise ConfigError(
+            f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    if not _present(cfg, "head_dim") and hidden % heads:
+        raise ConfigError(f"{source}: hidden_size ({hidden}) not divisible by num_attention_heads ({heads})")
+    head_dim = int_field(cfg, "head_dim", source, hidden // heads)
+    if head_dim % 2:
+        raise ConfigError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
+    return hidden, heads, kv_heads, head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,52 +231,38 @@ class TargetConfig:
         act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-        if cfg.get("use_sliding_window"):
+        if bool_field(cfg, "use_sliding_window", source, False):
             raise ConfigError(f"{source}: use_sliding_window=true is not supported for target models")
         if model_type == "mistral" and cfg.get("sliding_window") is not None:
             # Mistral applies its window whenever the field is set (Qwen gate it behind use_sliding_window).
             raise ConfigError(f"{source}: Mistral sliding_window={cfg['sliding_window']} is not supported "
                               "(set it to null only if the model was trained without a window)")
-        if int(cfg.get("pretraining_tp", 1) or 1) != 1:
+        if int_field(cfg, "pretraining_tp", source, 1) != 1:
             raise ConfigError(f"{source}: pretraining_tp != 1 is not supported")
-        hidden = require(cfg, "hidden_size", source)
-        heads = require(cfg, "num_attention_heads", source)
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        if kv_heads <= 0 or heads % kv_heads:
-            raise ConfigError(
-                f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
-            )
-        head_dim = cfg.get("head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise ConfigError(f"{source}: hidden_size ({hidden}) not divisible by num_attention_heads ({heads})")
-            head_dim = hidden // heads
-        if int(head_dim) % 2:
-            raise ConfigError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        attention_bias = bool(cfg.get("attention_bias", False))
+        hidden, heads, kv_heads, head_dim = attention_shape(cfg, source)
+        vocab = require(cfg, "vocab_size", source)
+        attention_bias = bool_field(cfg, "attention_bias", source, False)
         return cls(
             model_type=model_type,
-            vocab_size=require(cfg, "vocab_size", source),
+            vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=require(cfg, "intermediate_size", source),
-            num_hidden_layers=require(cfg, "num_hidden_layers", source),
+            num_hidden_layers=int_field(cfg, "num_hidden_layers", source, maximum=MAX_LAYERS),
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            head_dim=head_dim,
+            rms_norm_eps=float_field(cfg, "rms_norm_eps", source, 1e-6, positive=True, below=1.0),
             rope=parse_rope(cfg, source),
             max_position_embeddings=require(cfg, "max_position_embeddings", source)
             if "max_position_embeddings" in cfg else 4096,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", source, False),
             # Qwen2 always has q/k/v bias and no o bias; LLaMA/Qwen3 use attention_bias for all four.
             qkv_bias=True if model_type == "qwen2" else attention_bias,
             o_bias=False if model_type == "qwen2" else attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            mlp_bias=bool_field(cfg, "mlp_bias", source, False),
             qk_norm=model_type == "qwen3",
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            bos_token_id=int_field(cfg, "bos_token_id", source, None, minimum=0, maximum=vocab - 1),
+            eos_token_ids=token_ids_field(cfg, "eos_token_id", source, vocab),
         )
 
     @classmethod

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from dflash_jax.models.config import (
-    ConfigError, RopeConfig, TargetConfig, parse_rope, read_config_json, require, rope_to_hf,
+    MAX_LAYERS, ConfigError, RopeConfig, TargetConfig, attention_shape, bool_field, float_field, int_field,
+    parse_rope, read_config_json, require, rope_to_hf,
 )
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -21,6 +22,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # ordinary causal tokens, and each layer's block attends to the context's keys/values AT THAT LAYER.
 CONTEXT_INJECTIONS = ("every_layer", "input")
 QWEN3_MAX_WINDOW_LAYERS = 28  # transformers' Qwen3Config default
+MAX_BLOCK_SIZE = 1024
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -78,37 +80,34 @@ class DraftConfig:
                 f"{source}: not a DFlash draft config (no 'dflash_config', 'block_size' or architectures "
                 f"['DFlashDraftModel']; model_type {cfg.get('model_type')!r}). Is this a target checkpoint?"
             )
-        hidden = require(cfg, "hidden_size", source)
-        layers = require(cfg, "num_hidden_layers", source)
-        heads = require(cfg, "num_attention_heads", source)
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        if kv_heads <= 0 or heads % kv_heads:
-            raise ConfigError(
-                f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
-            )
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        num_target_layers = require(merged, "num_target_layers", source)
+        hidden, heads, kv_heads, head_dim = attention_shape(cfg, source)
+        layers = int_field(cfg, "num_hidden_layers", source, maximum=MAX_LAYERS)
+        num_target_layers = int_field(merged, "num_target_layers", source, maximum=MAX_LAYERS)
+        vocab = require(cfg, "vocab_size", source)
         ids = dflash("target_layer_ids")
         if ids is None:
             ids = default_target_layer_ids(num_target_layers, layers)
-        if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) for i in ids):
+        if (not isinstance(ids, (list, tuple)) or not ids
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
             raise ConfigError(f"{source}: target_layer_ids must be a non-empty list of integers, got {ids!r}")
-        mask_id = dflash("mask_token_id")
-        if mask_id is None:
+        if dflash("mask_token_id") is None:
             raise ConfigError(f"{source}: missing required field 'mask_token_id' (in dflash_config or top level)")
-        block = require(merged, "block_size", source)
-        if block < 2:
-            raise ConfigError(f"{source}: block_size must be at least 2, got {block}")
-        window = cfg.get("sliding_window")
-        no_window = cfg.get("use_sliding_window") is False  # transformers then drops the window everywhere
-        if no_window:
+        mask_id = int_field(merged, "mask_token_id", source, minimum=0)  # validate_against: inside the target's table
+        block = int_field(merged, "block_size", source, minimum=2, maximum=MAX_BLOCK_SIZE)
+        use_window = bool_field(cfg, "use_sliding_window", source, True)
+        window = int_field(cfg, "sliding_window", source, None)
+        if not use_window:  # transformers then drops the window everywhere
             window = None
-        if cfg.get("layer_types"):
-            layer_types = tuple(cfg["layer_types"])
+        if cfg.get("layer_types") is not None:
+            layer_types = cfg["layer_types"]
+            if not isinstance(layer_types, list):
+                raise ConfigError(f"{source}: layer_types must be a list, got {layer_types!r}")
+            for t in layer_types:
+                if t not in LAYER_TYPES:
+                    raise ConfigError(f"{source}: layer type {t!r} is not one of {', '.join(LAYER_TYPES)}")
+            layer_types = tuple(layer_types)
         elif window is not None:  # the Qwen3 rule when layer_types is absent
-            first = cfg.get("max_window_layers", QWEN3_MAX_WINDOW_LAYERS)
-            if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-                raise ConfigError(f"{source}: max_window_layers must be a non-negative integer, got {first!r}")
+            first = int_field(cfg, "max_window_layers", source, QWEN3_MAX_WINDOW_LAYERS, minimum=0)
             layer_types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(layers))
         else:
             layer_types = ("full_attention",) * layers
@@ -116,15 +115,14 @@ class DraftConfig:
             raise ConfigError(
                 f"{source}: layer_types has {len(layer_types)} entries but num_hidden_layers is {layers}"
             )
-        for t in layer_types:
-            if t not in LAYER_TYPES:
-                raise ConfigError(f"{source}: layer type {t!r} is not one of {', '.join(LAYER_TYPES)}")
-        if no_window:
+        if not use_window:
             layer_types = ("full_attention",) * layers
-        if "sliding_attention" in layer_types and (not isinstance(window, int) or isinstance(window, bool)
-                                                   or window <= 0):
-            raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window, got {window!r}")
-        cap = dflash("final_logit_softcapping")
+        if "sliding_attention" in layer_types and window is None:
+            raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window, got None")
+        cap = float_field(merged, "final_logit_softcapping", source, None)
+        if cap is not None and cap < 0:
+            raise ConfigError(f"{source}: field 'final_logit_softcapping' must be positive (or 0/null for none), "
+                              f"got {cap}")
         injection = dflash("context_injection", "every_layer")
         if injection not in CONTEXT_INJECTIONS:
             raise ConfigError(f"{source}: context_injection must be one of {', '.join(CONTEXT_INJECTIONS)}, "
@@ -139,21 +137,21 @@ class DraftConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             intermediate_size=require(cfg, "intermediate_size", source),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float_field(cfg, "rms_norm_eps", source, 1e-6, positive=True, below=1.0),
             rope=parse_rope(cfg, source),
-            vocab_size=require(cfg, "vocab_size", source),
+            vocab_size=vocab,
             block_size=block,
             num_target_layers=num_target_layers,
-            target_layer_ids=tuple(int(i) for i in ids),
-            mask_token_id=int(mask_id),
+            target_layer_ids=tuple(ids),
+            mask_token_id=mask_id,
             layer_types=layer_types,
-            sliding_window=int(window) if window else None,
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            sliding_window=window,
+            attention_bias=bool_field(cfg, "attention_bias", source, False),
             max_position_embeddings=require(cfg, "max_position_embeddings", source)
             if "max_position_embeddings" in cfg else 40960,
-            input_embedding_scale=float(dflash("input_embedding_scale", 1.0)),
-            output_multiplier=float(dflash("output_multiplier", 1.0)),
-            final_logit_softcapping=float(cap) if cap else None,
+            input_embedding_scale=float_field(merged, "input_embedding_scale", source, 1.0, positive=True),
+            output_multiplier=float_field(merged, "output_multiplier", source, 1.0, positive=True),
+            final_logit_softcapping=cap or None,
             model_type=str(cfg.get("model_type", "qwen3")),
             context_injection=injection,
         )

@@ -14,13 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.errors import UserError
+
 DEFAULT_GAMMAS = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
 def default_gamma(block_size: int) -> float:
     """The paper's decay constant for ``block_size`` (7 for 16, 5 for 10, 4 for 8)."""
     if block_size not in DEFAULT_GAMMAS:
-        raise ValueError(
+        raise UserError(
             f"no default loss decay gamma for block_size {block_size} (known: "
             f"{', '.join(f'{b}: {g:g}' for b, g in sorted(DEFAULT_GAMMAS.items()))}); pass gamma explicitly"
         )

@@ -35,6 +35,7 @@ from jax.sharding import Mesh
 from dflash_jax import sharding
 from dflash_jax.checkpoints.hf_target import abstract_target_params
 from dflash_jax.checkpoints.official_draft import abstract_draft_params
+from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft import DraftModel
 from dflash_jax.models.draft_config import DraftConfig
@@ -133,10 +134,10 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
     """
     num_shards = int(np.prod([mesh.shape[a] for a in sharding.LOGICAL_TO_MESH["batch"]]))
     if global_batch % num_shards:
-        raise ValueError(f"global batch {global_batch} is not divisible by data x fsdp = {num_shards} "
+        raise UserError(f"global batch {global_batch} is not divisible by data x fsdp = {num_shards} "
                          f"(the batch is sharded over both axes)")
     if global_batch % step_cfg.accum_steps:
-        raise ValueError(f"global batch {global_batch} is not divisible by accum_steps {step_cfg.accum_steps}")
+        raise UserError(f"global batch {global_batch} is not divisible by accum_steps {step_cfg.accum_steps}")
     target_abstract = abstract_target_params(target_config, dtype)
     draft_abstract = abstract_draft_params(draft_config, jnp.float32)
     with jax.set_mesh(mesh):

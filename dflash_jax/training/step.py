@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dflash_jax.errors import UserError
 from dflash_jax.models.draft import DraftModel, SharedHead, shared_head
 from dflash_jax.models.target import TargetModel
 from dflash_jax.training.anchors import block_labels, sample_anchors, uniform_anchors
@@ -141,7 +142,7 @@ def accumulated_gradients(params: Any, target_params: Any, batch: Batch, key: ja
     g = batch["tokens"].shape[0]
     steps = cfg.accum_steps
     if g % steps:
-        raise ValueError(f"global batch {g} is not divisible by accum_steps {steps}")
+        raise UserError(f"global batch {g} is not divisible by accum_steps {steps}")
     compute_dtype = draft.dtype
 
     def micro_batches(x):  # [G, ...] -> [steps, G // steps, ...] with row r in micro-step r % steps
