@@ -22,4 +22,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C during start-up (imports), before a subcommand's own handler runs
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

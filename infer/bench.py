@@ -13,10 +13,12 @@ import sys
 import textwrap
 from pathlib import Path
 
-from dflash_jax.engine.bench import DATASETS, load_datasets, markdown_table, run_bench, write_report
+from dflash_jax.evaluation.bench import Journal, markdown_table, run_bench, write_report
+from dflash_jax.fileio import ensure_writable_dir
+from dflash_jax.evaluation.prompts import DATASETS, load_datasets, read_prompt_file
 from dflash_jax.errors import UserError
 from infer.cli import Parser, UsageError, run_cli
-from infer.run import add_model_args, add_sampling_args, load_decoder, read_prompt_file, sampling_of
+from infer.run import add_model_args, add_sampling_args, load_decoder, sampling_of
 
 PROG = "python -m infer bench"
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
@@ -97,18 +99,28 @@ def bench_main(args: argparse.Namespace) -> int:
         datasets[name] = [[p] for p in read_prompt_file(Path(f))][: args.max_samples or None]
         names.append(name)
 
+    out_dir = ensure_writable_dir(args.out, "--out")  # before any model is loaded
+    journal = Journal(out_dir, {
+        "target": args.target, "draft": args.ckpt, "tokenizer": args.tokenizer, "dtype": args.dtype,
+        "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature,
+        "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": args.seed, "chat_template": args.chat_template})
+    resumed = sum(journal.finished(k, i, s) is not None for k, v in datasets.items() for i, s in enumerate(v))
+    if resumed:
+        print(f"bench: resuming, {resumed} finished sample(s) read from {journal.path} (delete it to measure "
+              f"them again)", file=sys.stderr)
     decoder, tokenizer, stops = load_decoder(args, need_draft=True)
     n = sum(len(s) for s in datasets.values())
     print(f"bench: {', '.join(f'{k} ({len(v)})' for k, v in datasets.items())}: {n} samples, block "
           f"{decoder.block_size}, max_new_tokens {args.max_new_tokens}, temperature {sampling.temperature}",
           file=sys.stderr)
     results = run_bench(decoder, tokenizer, stops, datasets, args.max_new_tokens, sampling, args.seed,
-                        use_chat_template=args.chat_template, progress=True)
+                        use_chat_template=args.chat_template, progress=True, journal=journal)
+    journal.close()
     meta = {"target": str(args.target), "draft": str(args.ckpt), "tokenizer": args.tokenizer,
             "dtype": args.dtype, "prompts_dir": str(prompts_dir), "datasets": names,
             "max_samples": args.max_samples, "block_size": decoder.block_size,
             "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature}
-    paths = write_report(results, Path(args.out), meta)
+    paths = write_report(results, out_dir, meta)
     print(markdown_table(results))
     print()
     for kind, path in paths.items():

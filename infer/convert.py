@@ -16,12 +16,10 @@ and moved into place only when complete.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,8 @@ from dflash_jax.checkpoints import orbax_io
 from dflash_jax.checkpoints.loading import restore_orbax
 from dflash_jax.checkpoints.safetensors_io import CheckpointError
 from dflash_jax.errors import UserError
-from dflash_jax.models.config import ConfigError
+from dflash_jax.fileio import ensure_writable_dir, new_directory, recover_directory, replace_directory
+from dflash_jax.models.config import read_json_object
 from infer.cli import Parser, run_cli
 
 PROG = "python -m infer convert"
@@ -117,18 +116,6 @@ def _say(args: argparse.Namespace, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read ({e})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return value
-
-
 def is_draft_config(cfg: dict) -> bool:
     """An official DFlash draft config (either field layout), as opposed to a target's config.json."""
     archs = cfg.get("architectures") or []
@@ -162,16 +149,18 @@ def detect(src: Path, kind: str) -> tuple[str, str]:
             "official/Hugging Face directory (no config.json)"
         )
     if kind == "auto":
-        kind = "draft" if is_draft_config(_read_json(config)) else "target"
+        kind = "draft" if is_draft_config(read_json_object(config)) else "target"
     return "hf", kind
 
 
 def check_output(src: Path, dst: Path, force: bool) -> None:
-    src_r, dst_r = src.resolve(), dst.resolve()
+    src_r, dst_r, cwd = src.resolve(), dst.resolve(), Path.cwd().resolve()
     if dst_r == src_r or dst_r in src_r.parents:
         raise UserError(f"--to {dst}: is (or contains) the input directory --from {src}; choose another path")
     if src_r in dst_r.parents:
         raise UserError(f"--to {dst}: lies inside the input directory --from {src}; choose another path")
+    if dst_r == cwd or dst_r in cwd.parents:
+        raise UserError(f"--to {dst}: is the current directory or one of its parents; choose a new folder name")
     if dst.exists() or dst.is_symlink():
         if not dst.is_dir():
             raise UserError(f"--to {dst}: exists and is not a directory")
@@ -210,7 +199,7 @@ def to_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Namespa
 
         config, params = load_draft(src, dtype=dtype, progress=args.progress)
         # Keep the fields we do not model (auto_map, transformers_version, ...) for the way back.
-        original = _read_json(src / "config.json")
+        original = read_json_object(src / "config.json")
         config_dict = {**original, **config.to_official_dict()}
     else:
         from dflash_jax.checkpoints.hf_target import load_target
@@ -245,27 +234,25 @@ def from_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Names
 
 
 def convert(args: argparse.Namespace) -> str:
+    """Write the converted checkpoint into a temporary folder next to ``--to`` and swap it in only when
+    complete (``dflash_jax.fileio``): an interrupt leaves the old output or the new one, never neither."""
     src, dst = Path(args.src), Path(args.dst)
     fmt, kind = detect(src, args.kind)
+    recover_directory(dst)  # what a killed earlier run left next to --to
     check_output(src, dst, args.force)
     dtype = _dtype(args.dtype)
-    parent = dst.absolute().parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = parent / f".{dst.name}.convert-tmp-{os.getpid()}-{int(time.time() * 1000)}"
+    ensure_writable_dir(dst.absolute().parent, "--to")
+    tmp = new_directory(dst)
     try:
+        out = tmp / "out"  # the writers create their own directory
         if fmt == "orbax":
-            summary = from_orbax(src, tmp, kind, dtype, args, dst)
+            summary = from_orbax(src, out, kind, dtype, args, dst)
         else:
-            summary = to_orbax(src, tmp, kind, dtype, args, dst)
-        if dst.is_dir():
-            if any(dst.iterdir()):  # only reached with --force (checked above)
-                shutil.rmtree(dst)
-            else:
-                dst.rmdir()
-        os.replace(tmp, dst)
+            summary = to_orbax(src, out, kind, dtype, args, dst)
+        os.replace(out, tmp / "done")
+        replace_directory(tmp / "done", dst)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return summary
 
 

@@ -10,11 +10,10 @@ import textwrap
 from pathlib import Path
 
 from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer, tokenizer_dir
-from dflash_jax.engine.bench import read_jsonl, read_text_file
 from dflash_jax.engine.decoder import Decoder, decode_continuation, encode_conversation, stop_tokens_of
 from dflash_jax.engine.generate import GenerationResult
 from dflash_jax.engine.sampling import SamplingConfig
-from dflash_jax.errors import UserError
+from dflash_jax.evaluation.prompts import read_prompt_file
 from infer.cli import Parser, UsageError, run_cli, seed_arg, text_arg
 
 PROG = "python -m infer"
@@ -78,43 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stream", action="store_true", help="print tokens as they are committed (batch of 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON document with all results instead of text")
     return parser
-
-
-PROMPT_FIELDS = ("prompt", "question", "problem", "instruction", "text")
-
-
-def read_prompt_file(path: Path) -> list[str]:
-    """Prompts from .txt (one per line), .json (a list) or .jsonl (objects with a prompt field); .gz ok."""
-    name = path.name[:-3] if path.name.endswith(".gz") else path.name
-    if name.endswith(".txt"):
-        rows = list(enumerate((line for line in read_text_file(path).splitlines() if line.strip()), start=1))
-    elif name.endswith(".json"):
-        try:
-            doc = json.loads(read_text_file(path))
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(doc, list):
-            raise UserError(f"{path}: expected a JSON list of prompts, got a {type(doc).__name__}")
-        rows = list(enumerate(doc, start=1))
-    else:
-        rows = read_jsonl(path)
-    prompts = []
-    for where, row in rows:
-        if isinstance(row, str):
-            prompts.append(row)
-            continue
-        if isinstance(row, dict):
-            if isinstance(row.get("turns"), list) and row["turns"]:
-                prompts.append(str(row["turns"][0]))
-                continue
-            field = next((k for k in PROMPT_FIELDS if isinstance(row.get(k), str)), None)
-            if field:
-                prompts.append(row[field])
-                continue
-        raise UserError(f"{path}:{where}: no prompt field (one of {', '.join(PROMPT_FIELDS)} or 'turns')")
-    if not prompts:
-        raise UserError(f"{path}: no prompts in the file")
-    return prompts
 
 
 def load_decoder(args: argparse.Namespace, need_draft: bool = True):

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 from dflash_jax.checkpoints.hf_target import resolve_dtype
-from dflash_jax.engine.speed import (
+from dflash_jax.fileio import ensure_writable_dir, write_text_atomic
+from dflash_jax.evaluation.speed import (
     PRESETS, SpeedSettings, format_report, preset_configs, preset_description, preset_models, run_speed,
 )
 from infer.cli import Parser, UsageError, run_cli, seed_arg
@@ -129,8 +130,11 @@ def speed_main(args: argparse.Namespace) -> int:
     log = lambda msg: print(f"[speed] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if args.json:
         out = Path(args.json)
-        if out.parent and not out.parent.is_dir():
+        if out.is_dir():
+            raise UsageError(f"--json {out}: is a directory; give a file name")
+        if not out.parent.is_dir():
             raise UsageError(f"--json {out}: folder {out.parent} does not exist")
+        ensure_writable_dir(out.parent, "--json")  # before the minutes of measuring
     t0 = time.perf_counter()
     log("building models ...")
     title, settings, tc, tp, dc, dp = load_models(args)
@@ -140,7 +144,7 @@ def speed_main(args: argparse.Namespace) -> int:
     report["wall_s"] = time.perf_counter() - t0
     print(format_report(report, f"DFlash speed: {title}"))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_text_atomic(args.json, json.dumps(report, indent=2))
         log(f"wrote {args.json}")
     bad = [k for k in ("oracle", "draft") if not report["e2e"][k]["identical_to_ar"]]
     if bad:

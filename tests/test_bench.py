@@ -1,4 +1,4 @@
-"""``python -m infer bench`` and ``dflash_jax.engine.bench``: prompt loaders (real and synthetic files), the
+"""``python -m infer bench`` and ``dflash_jax.evaluation``: prompt loaders (real and synthetic files), the
 benchmark loop end to end on stories260K with an untrained draft, the report files, and user errors."""
 
 import contextlib
@@ -11,8 +11,8 @@ import pytest
 
 from conftest import shared_file
 from dflash_jax.errors import UserError
-from dflash_jax.engine.bench import (DATASETS, MATH_SUFFIX, conversation_ids, load_datasets, markdown_table,
-                                     summarize_dataset)
+from dflash_jax.evaluation.bench import conversation_ids, markdown_table, summarize_dataset
+from dflash_jax.evaluation.prompts import DATASETS, MATH_SUFFIX, load_datasets
 from infer import bench as bench_cli
 
 BLOCK = 8
@@ -283,7 +283,7 @@ class FakeDecoder:
 
     def check_fits(self, lengths, max_new_tokens):
         if max(lengths) + max_new_tokens > self.limit:
-            raise ValueError(f"a prompt of {max(lengths)} tokens does not\n fit")
+            raise UserError(f"a prompt of {max(lengths)} tokens does not\n fit")
 
     def generate(self, prompts, max_new_tokens, sampling, stop_tokens, baseline=False, seed=0):
         from dflash_jax.engine.generate import GenerationResult
@@ -296,7 +296,7 @@ class FakeDecoder:
 
 @pytest.mark.parametrize("template", [False, True])
 def test_run_bench_follows_the_conversation(template):
-    from dflash_jax.engine.bench import run_bench
+    from dflash_jax.evaluation.bench import run_bench
     from dflash_jax.engine.sampling import SamplingConfig
 
     tok, dec = FakeTokenizer(), FakeDecoder()
@@ -321,7 +321,7 @@ def test_run_bench_follows_the_conversation(template):
 
 
 def test_sampling_report_without_identity(tmp_path):
-    from dflash_jax.engine.bench import run_bench, write_report
+    from dflash_jax.evaluation.bench import run_bench, write_report
     from dflash_jax.engine.sampling import SamplingConfig
 
     data = {"alpaca": [["hi"]], "humaneval": [["y" * 90]]}  # humaneval: every turn skipped
@@ -375,3 +375,61 @@ def test_bench_on_a_prompt_file(tmp_path):
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     assert list(doc["summary"]) == ["openings"] and doc["summary"]["openings"]["samples"] == 2
     assert doc["summary"]["openings"]["identical"] == 1.0
+
+
+# ------------------------------------------------------------------------------------------ kill and resume
+
+
+class DyingDecoder(FakeDecoder):
+    """Dies (as a kill would) at its n-th generate call."""
+
+    def __init__(self, die_at: int):
+        super().__init__()
+        self.die_at = die_at
+
+    def generate(self, *args, **kwargs):
+        if len(self.calls) == self.die_at:
+            raise KeyboardInterrupt
+        return super().generate(*args, **kwargs)
+
+
+def test_killed_bench_keeps_finished_samples_and_resumes(tmp_path):
+    from dflash_jax.engine.sampling import SamplingConfig
+    from dflash_jax.evaluation.bench import Journal, run_bench
+
+    data = {"gsm8k": [["q1"], ["q2"], ["q3"]], "alpaca": [["a1"]]}
+    settings = {"target": "t", "block_size": 4}
+    run = lambda dec, journal: run_bench(dec, FakeTokenizer(), [2], data, 3, SamplingConfig(), 0,  # noqa: E731
+                                         progress=False, journal=journal)
+    journal = Journal(tmp_path, settings)
+    with pytest.raises(KeyboardInterrupt):
+        run(DyingDecoder(die_at=5), journal)  # samples q1 and q2 finish (2 calls each), q3 dies
+    journal.close()
+    with open(tmp_path / Journal.NAME, "a") as f:
+        f.write('{"dataset": "gsm8k", "sam')  # the line a kill -9 cut short
+    journal = Journal(tmp_path, settings)
+    assert sorted(journal.done) == [("gsm8k", 0), ("gsm8k", 1)]
+    dec = FakeDecoder()
+    resumed = run(dec, journal)
+    journal.close()
+    assert len(dec.calls) == 4, "only q3 and a1 are run again"
+    fresh = run(FakeDecoder(), None)
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in ("baseline", "dflash")} for r in rows]  # noqa
+    assert strip(resumed["turns"]) == strip(fresh["turns"]) and resumed["summary"]["gsm8k"]["tau"] == 2.0
+    # A changed prompt is measured again; a changed setting is refused by name.
+    data["gsm8k"][0] = ["q1 changed"]
+    journal = Journal(tmp_path, settings)
+    assert journal.finished("gsm8k", 0, data["gsm8k"][0]) is None and journal.finished("gsm8k", 1, ["q2"])
+    journal.close()
+    with pytest.raises(UserError, match=r"other settings \(block_size: 4 there, 8 now\)"):
+        Journal(tmp_path, {**settings, "block_size": 8})
+
+
+def test_unwritable_out_fails_before_any_model_is_loaded(tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    rc = bench_cli.main(["--target", "nowhere/target", "--ckpt", "nowhere/draft", "--prompt-file", str(prompts),
+                         "--out", str(tmp_path / "taken")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--out" in err and "not a directory" in err and "nowhere" not in err

@@ -274,3 +274,68 @@ def test_draft_round_trip_keeps_remote_code_config_and_files(tmp_path, capsys):
     assert (tmp_path / "back" / "dflash.py").read_text() == (src / "dflash.py").read_text()
     assert DraftConfig.from_json(tmp_path / "back") == DraftConfig.from_json(src)
     assert_tensors_bit_exact(read_tensors(src), read_tensors(tmp_path / "back"))
+
+
+# ------------------------------------------------------------------------------------------ never lose data
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (a killed earlier run)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_output_may_not_be_the_working_directory_or_its_parent(draft_dir, tmp_path, capsys, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    for dst in (".", "..", str(work)):
+        code, _, err = run(capsys, "--from", draft_dir, "--to", dst, "--force")
+        assert_user_error(code, err, "--to", "current directory")
+    assert (work / "notes.txt").read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
+def test_interrupted_conversion_keeps_the_old_output(draft_dir, tmp_path, capsys, monkeypatch):
+    import infer.convert as convert_cli
+
+    dst = tmp_path / "out"
+    assert run(capsys, "--from", draft_dir, "--to", dst)[0] == 0
+    before = {p.relative_to(dst): p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+
+    def interrupted(src, out, *args):  # Ctrl-C after part of the new output is written
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_cli, "from_orbax", interrupted)
+    code, _, err = run(capsys, "--from", dst, "--to", tmp_path / "hf")
+    assert code == 130 and "interrupted" in err
+    monkeypatch.setattr(convert_cli, "to_orbax", interrupted)
+    code, _, err = run(capsys, "--from", draft_dir, "--to", dst, "--force")
+    assert code == 130
+    after = {p.relative_to(dst): p.read_bytes() for p in dst.rglob("*") if p.is_file()}
+    assert after == before, "the old output must survive an interrupted replacement"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"], "no temporary folder may be left behind"
+
+
+def test_leftovers_of_a_killed_run_are_repaired(draft_dir, tmp_path, capsys):
+    """kill -9 can land anywhere: between the two renames the old output sits aside (put back by the next
+    run), while writing the new one a partial folder is left (deleted by the next run)."""
+    pid = dead_pid()
+    dst = tmp_path / "out"
+    assert run(capsys, "--from", draft_dir, "--to", dst)[0] == 0
+    aside = tmp_path / f".out.replaced-{pid}-1"
+    dst.rename(aside)  # killed after moving the old output aside, before moving the new one in
+    partial = tmp_path / f".out.partial-{pid}-2"
+    (partial / "out").mkdir(parents=True)
+    code, _, err = run(capsys, "--from", draft_dir, "--to", dst)  # no --force: the old output is back
+    assert_user_error(code, err, "not empty", "--force")
+    assert orbax_io.is_orbax_dir(dst) and not aside.exists() and not partial.exists()
+    code, _, err = run(capsys, "--from", draft_dir, "--to", dst, "--force")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

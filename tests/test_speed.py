@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from dflash_jax.engine.speed import plant_errors
+from dflash_jax.evaluation.speed import plant_errors
 from infer.speed import main
 
 TAU, BLOCK, NEW, BATCH = 3, 4, 12, 2

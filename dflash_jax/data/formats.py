@@ -20,14 +20,12 @@ order, which is how a regeneration's output (``shard-00000.jsonl``, ...) is read
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gzip
 import json
 import zlib
-import os
 from pathlib import Path
-from typing import IO, Any, Iterator, Union
+from typing import Any, Iterator, Union
 
 from dflash_jax.errors import UserError
 
@@ -234,25 +232,3 @@ def _json_row(raw: bytes) -> Any:
 def shard_path(out_dir: Path, index: int) -> Path:
     """Shard ``index`` of a regeneration output directory."""
     return Path(out_dir) / f"shard-{index:05d}.jsonl"
-
-
-@contextlib.contextmanager
-def atomic_write(path: str | Path) -> Iterator[IO[bytes]]:
-    """Write ``path`` through ``path.tmp``: flushed, fsynced and renamed only when the block succeeds, so an
-    interrupted write (even ``kill -9``) never leaves a valid-looking partial file under the final name."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):  # make the rename itself durable (not possible on every platform)
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from dflash_jax.data.formats import Conversation, DataError, PlainText, atomic_write, read_examples
+from dflash_jax.data.formats import Conversation, DataError, PlainText, read_examples
+from dflash_jax.fileio import atomic_write
 
 
 def opening_text(example) -> str:

@@ -30,12 +30,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from dflash_jax.data.formats import (
-    REGENERATE_SETTINGS, Conversation, DataError, Example, PlainText, atomic_write, example_to_row, shard_path,
+    REGENERATE_SETTINGS, Conversation, DataError, Example, PlainText, example_to_row, shard_path,
 )
 from dflash_jax.data.tokenize import plain_prompt_ids
 from dflash_jax.engine.decoder import decode_continuation, encode_conversation
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
+from dflash_jax.fileio import atomic_write
 
 FORMAT_VERSION = 1
 

@@ -43,8 +43,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dflash_jax.data.formats import DataError, Example, PlainText, atomic_write
+from dflash_jax.data.formats import DataError, Example, PlainText
 from dflash_jax.errors import UserError
+from dflash_jax.fileio import atomic_write
 
 # Stands in for an assistant answer while rendering the template: letters and digits only, so that no
 # template filter (trim, tojson, escaping) alters it.

@@ -85,14 +85,17 @@ def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
 
 
 def read_json_object(path: str | Path, what: str = "file", error: type[Exception] = ConfigError) -> dict:
-    """A JSON file that must hold an object; errors name the file and say what was expected."""
+    """A JSON file that must hold an object; errors name the file and say what was expected. The one JSON
+    reader of checkpoint and config files."""
     path = Path(path)
     if not path.is_file():
         raise error(f"{path}: {what} not found")
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise error(f"{path}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not isinstance(value, dict):
         raise error(f"{path}: expected a JSON object in the {what}")
     return value

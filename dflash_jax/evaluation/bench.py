@@ -5,170 +5,26 @@ answers included, so MT-Bench's second turn follows the first answer), then the 
 DFlash run on the SAME decoder and engine. Reported per dataset: tau, the decode speedup (mean baseline time
 per output token / mean DFlash time per output token; prefill and compilation excluded), both TPOTs, the
 acceptance-length histogram and, when greedy, how often DFlash reproduced the baseline token for token.
-
-Prompt formatting follows the official DFlash benchmark script (z-lab/dflash ``dflash/benchmark.py``):
-
-- gsm8k / math500: the problem, a newline, then ``MATH_SUFFIX``.
-- humaneval: the official script wraps the code prompt as ``HUMANEVAL_TEMPLATE`` ("Write a solution to the
-  following problem and make sure that it passes the tests:" + a fenced python block). We follow the script
-  rather than passing the raw prompt, since the script is what produced the paper's numbers.
-- mbpp: the raw ``prompt`` (a one-sentence task) of the sanitized set's test split, task_id 11..510.
-- mt-bench: the two user ``turns``; alpaca: the raw ``instruction``.
-
-Samples are taken in file order (the first N of each file); nothing is shuffled, so a run is reproducible
-without a data seed. (The official script shuffles with a fixed seed when limiting samples.)
+Prompt sets and their formatting: ``dflash_jax.evaluation.prompts``.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
-import zlib
 import math
-import platform
+import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from dflash_jax.engine.decoder import encode_conversation
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
-
-MATH_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
-HUMANEVAL_TEMPLATE = (
-    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
-)
-MBPP_TEST_IDS = (11, 510)  # inclusive: the MBPP paper's test split
-
-Sample = list[str]  # the user turns of one conversation
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Loaders: each takes the prompts directory and returns a list of samples (lists of user turns).
-
-
-def read_text_file(path: Path) -> str:
-    if not path.is_file():
-        raise UserError(f"{path}: prompt file not found")
-    try:
-        if path.suffix == ".gz":
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                return f.read()
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError, EOFError, zlib.error) as e:
-        raise UserError(f"{path}: cannot read ({e})") from None
-
-
-def read_jsonl(path: Path) -> list[tuple[int, Any]]:
-    """(line number, parsed object) for every non-blank line."""
-    rows = []
-    for lineno, line in enumerate(read_text_file(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((lineno, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-    if not rows:
-        raise UserError(f"{path}: no rows")
-    return rows
-
-
-def _string_field(path: Path, where: str, row: Any, field: str) -> str:
-    value = row.get(field) if isinstance(row, dict) else None
-    if not isinstance(value, str) or not value.strip():
-        raise UserError(f"{path}:{where}: expected an object with a non-empty string field '{field}'")
-    return value
-
-
-def _single_field(filename: str, field: str, fmt: Callable[[str], str] = lambda s: s):
-    def load(prompts_dir: Path | str) -> list[Sample]:
-        path = Path(prompts_dir) / filename
-        return [[fmt(_string_field(path, str(n), row, field))] for n, row in read_jsonl(path)]
-
-    load.__name__ = f"load_{filename.split('.')[0]}"
-    load.filename = filename
-    return load
-
-
-def math_prompt(problem: str) -> str:
-    return f"{problem}\n{MATH_SUFFIX}"
-
-
-def humaneval_prompt(prompt: str) -> str:
-    return HUMANEVAL_TEMPLATE.format(prompt=prompt)
-
-
-load_gsm8k = _single_field("gsm8k_test.jsonl", "question", math_prompt)
-load_math500 = _single_field("math500_test.jsonl", "problem", math_prompt)
-load_humaneval = _single_field("HumanEval.jsonl.gz", "prompt", humaneval_prompt)
-load_alpaca = _single_field("alpaca_eval_instructions.jsonl", "instruction")
-
-
-def load_mbpp(prompts_dir: Path | str) -> list[Sample]:
-    path = Path(prompts_dir) / "sanitized-mbpp.json"
-    text = read_text_file(path)
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(rows, list):
-        raise UserError(f"{path}: expected a JSON list of tasks")
-    lo, hi = MBPP_TEST_IDS
-    samples = []
-    for i, row in enumerate(rows):
-        task_id = row.get("task_id") if isinstance(row, dict) else None
-        if not isinstance(task_id, int):
-            raise UserError(f"{path}:entry {i}: expected an object with an integer 'task_id'")
-        prompt = _string_field(path, f"entry {i} (task_id {task_id})", row, "prompt")
-        if lo <= task_id <= hi:
-            samples.append([prompt])
-    return samples
-
-
-load_mbpp.filename = "sanitized-mbpp.json"
-
-
-def load_mt_bench(prompts_dir: Path | str) -> list[Sample]:
-    path = Path(prompts_dir) / "mt_bench_question.jsonl"
-    samples = []
-    for n, row in read_jsonl(path):
-        turns = row.get("turns") if isinstance(row, dict) else None
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
-            raise UserError(f"{path}:{n}: expected an object with 'turns', a non-empty list of strings")
-        samples.append(list(turns))
-    return samples
-
-
-load_mt_bench.filename = "mt_bench_question.jsonl"
-
-DATASETS: dict[str, Callable[[Path | str], list[Sample]]] = {
-    "gsm8k": load_gsm8k,
-    "math500": load_math500,
-    "humaneval": load_humaneval,
-    "mbpp": load_mbpp,
-    "mt-bench": load_mt_bench,
-    "alpaca": load_alpaca,
-}
-
-
-def load_datasets(prompts_dir: Path | str, names: Sequence[str], max_samples: int | None = None
-                  ) -> dict[str, list[Sample]]:
-    """The first ``max_samples`` samples (file order; None or 0 = all) of each named dataset."""
-    prompts_dir = Path(prompts_dir)
-    if not prompts_dir.is_dir():
-        raise UserError(f"{prompts_dir}: prompts directory not found")
-    unknown = [n for n in names if n not in DATASETS]
-    if unknown:
-        raise UserError(f"unknown dataset {', '.join(map(repr, unknown))}; valid names: {', '.join(DATASETS)}")
-    out = {}
-    for name in names:
-        samples = DATASETS[name](prompts_dir)
-        out[name] = samples[:max_samples] if max_samples else samples
-    return out
-
+from dflash_jax.evaluation.machine import machine_info
+from dflash_jax.evaluation.prompts import Sample
+from dflash_jax.fileio import atomic_write, write_text_atomic
 
 # ---------------------------------------------------------------------------------------------------------
 # Running
@@ -225,6 +81,61 @@ def summarize_dataset(rows: list[dict], block_size: int, greedy: bool) -> dict:
     }
 
 
+class Journal:
+    """``samples.jsonl`` in the output folder: the settings on the first line, then one line per finished
+    sample (its turns' rows), flushed and fsynced as each sample ends, so a killed bench keeps its finished
+    samples and a rerun of the same command resumes after them. A rerun with other settings is refused
+    (naming the setting); a sample whose prompt text changed is run again; a line cut by the kill is dropped."""
+
+    NAME = "samples.jsonl"
+
+    def __init__(self, out_dir: Path | str, settings: dict):
+        self.path = Path(out_dir) / self.NAME
+        settings = json.loads(json.dumps(settings))  # the form it takes on disk (tuples become lists)
+        self.done: dict[tuple[str, int], dict] = {}
+        if self.path.exists():
+            lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+            try:
+                stored = json.loads(lines[0]) if lines else None
+            except json.JSONDecodeError:
+                stored = None
+            if not isinstance(stored, dict) or "settings" not in stored:
+                raise UserError(f"{self.path}: not a bench journal of this project; pass another --out or delete it")
+            changed = sorted(k for k in set(stored["settings"]) | set(settings)
+                             if stored["settings"].get(k) != settings.get(k))
+            if changed:
+                k = changed[0]
+                raise UserError(f"{self.path}: written by a run with other settings ({k}: "
+                                f"{stored['settings'].get(k)!r} there, {settings.get(k)!r} now); pass another "
+                                f"--out or delete it to start over")
+            kept = [lines[0]]
+            for line in lines[1:]:
+                try:
+                    record = json.loads(line)
+                    self.done[(record["dataset"], record["sample"])] = record
+                    kept.append(line)
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    break  # the line a kill cut short, and anything after it, is redone
+            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+        else:
+            write_text_atomic(self.path, json.dumps({"settings": settings}) + "\n")
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def finished(self, dataset: str, sample: int, turns: Sample) -> list[dict] | None:
+        record = self.done.get((dataset, sample))
+        return record["rows"] if record is not None and record.get("turns") == list(turns) else None
+
+    def record(self, dataset: str, sample: int, turns: Sample, rows: list[dict]) -> None:
+        line = json.dumps(_json_safe({"dataset": dataset, "sample": sample, "turns": list(turns), "rows": rows}),
+                          ensure_ascii=False)
+        self._file.write(line + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def run_bench(
     decoder: Any,
     tokenizer: Any,
@@ -235,6 +146,7 @@ def run_bench(
     seed: int = 0,
     use_chat_template: bool = True,
     progress: bool = True,
+    journal: Journal | None = None,
 ) -> dict:
     """Run every turn of every sample with the baseline and with DFlash; return per-turn rows and per-dataset
     summaries. Compilation is reported by the engine separately and never enters the metrics. A turn whose
@@ -254,6 +166,12 @@ def run_bench(
             bar.set_postfix_str(name)
             ds_rows = []
             for si, turns in enumerate(samples):
+                earlier = journal.finished(name, si, turns) if journal is not None else None
+                if earlier is not None:
+                    ds_rows.extend(earlier)
+                    bar.update(1)
+                    continue
+                first_row = len(ds_rows)
                 messages: list[dict] = []
                 for ti, user in enumerate(turns):
                     messages.append({"role": "user", "content": user})
@@ -261,7 +179,7 @@ def run_bench(
                     row = {"dataset": name, "sample": si, "turn": ti, "prompt_tokens": len(ids), "user": user}
                     try:
                         decoder.check_fits([len(ids)], max_new_tokens)
-                    except ValueError as e:
+                    except UserError as e:
                         for tj in range(ti, len(turns)):
                             ds_rows.append({"dataset": name, "sample": si, "turn": tj, "user": turns[tj],
                                             "prompt_tokens": len(ids) if tj == ti else None,
@@ -281,6 +199,8 @@ def run_bench(
                     ds_rows.append(row)
                     # The next turn follows the model's own answer (DFlash's, as in the paper's script).
                     messages.append({"role": "assistant", "content": answer})
+                if journal is not None:
+                    journal.record(name, si, turns, ds_rows[first_row:])
                 bar.update(1)
             summary[name] = summarize_dataset(ds_rows, block, greedy)
             rows.extend(ds_rows)
@@ -301,15 +221,6 @@ def run_bench(
 
 # ---------------------------------------------------------------------------------------------------------
 # Reporting
-
-
-def machine_info() -> dict:
-    import jax
-
-    devices = jax.devices()
-    return {"backend": jax.default_backend(), "device_kind": devices[0].device_kind, "device_count": len(devices),
-            "devices": [str(d) for d in devices], "jax": jax.__version__, "host": platform.node(),
-            "platform": platform.platform(), "python": platform.python_version()}
 
 
 def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
@@ -368,7 +279,8 @@ def plot_acceptance(results: dict, path: Path) -> None:
     for ax in axes[len(summary):]:
         ax.set_visible(False)
     fig.suptitle(f"DFlash acceptance lengths (block {block})")
-    fig.savefig(path, dpi=100)
+    with atomic_write(path) as f:
+        fig.savefig(f, dpi=100, format="png")
 
 
 def write_report(results: dict, out_dir: Path | str, meta: dict | None = None) -> dict[str, Path]:
@@ -383,12 +295,12 @@ def write_report(results: dict, out_dir: Path | str, meta: dict | None = None) -
     meta.setdefault("machine", machine_info())
     paths = {"json": out / "results.json", "markdown": out / "results.md", "plot": out / "acceptance.png"}
     doc = {"meta": meta, **results}
-    paths["json"].write_text(json.dumps(_json_safe(doc), indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_text_atomic(paths["json"], json.dumps(_json_safe(doc), indent=1, ensure_ascii=False) + "\n")
     m = meta["machine"]
     header = (f"# DFlash benchmark\n\ntarget `{meta.get('target', '?')}`, draft `{meta.get('draft', '?')}`, "
               f"block {meta['block_size']}, max_new_tokens {meta['max_new_tokens']}, "
-              f"temperature {meta['temperature']}, batch 1, on {m.get('device_kind')} ({m.get('backend')}).\n"
+              f"temperature {meta['temperature']}, batch 1, on {m.get('device')} ({m.get('backend')}).\n"
               f"Speedup = mean baseline / mean DFlash time per output token, decode only (same engine).\n\n")
-    paths["markdown"].write_text(header + markdown_table(results) + "\n", encoding="utf-8")
+    write_text_atomic(paths["markdown"], header + markdown_table(results) + "\n")
     plot_acceptance(results, paths["plot"])
     return paths

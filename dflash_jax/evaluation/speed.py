@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import platform
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -49,6 +47,7 @@ from dflash_jax.engine.generate import (
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
+from dflash_jax.evaluation.machine import load_average, machine_info
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig, default_target_layer_ids
@@ -430,26 +429,6 @@ def run_e2e(runs: dict[str, Callable[[], GenerationResult]], repeats: int,
     return {name: E2E(name, rs, warm[name].decode_s) for name, rs in results.items()}
 
 
-def machine_info() -> dict:
-    dev = jax.devices()[0]
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"jax": jax.__version__, "backend": dev.platform, "device": dev.device_kind,
-            "num_devices": jax.device_count(), "machine": platform.machine(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "load_avg_1m": _load()}
-
-
-def _load() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError):
-        return None
-
-
 def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSettings,
               log: Callable[[str], None] = lambda _: None) -> dict:
     """The whole benchmark; returns a JSON-ready report (see :func:`format_report`)."""
@@ -523,7 +502,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         "e2e": e2e,
         "estimate_with_draft_at_tau": bounds["with_draft"] * e2e["oracle"]["measured_over_bound"],
         "total_s": time.perf_counter() - t_start,
-        "load_avg_1m_end": _load(),
+        "load_avg_1m_end": load_average(),
     }
 
 
