@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_jax.checkpoints import orbax_io
-from dflash_jax.checkpoints.loading import restore_orbax
+from dflash_jax.checkpoints.loading import EXTRA_DIR, EXTRA_FILES, restore_orbax
 from dflash_jax.checkpoints.safetensors_io import CheckpointError
 from dflash_jax.errors import UserError
 from dflash_jax.fileio import ensure_writable_dir, new_directory, recover_directory, replace_directory
@@ -34,15 +34,6 @@ from infer.cli import Parser, run_cli
 PROG = "python -m infer convert"
 DTYPE_CHOICES = ("keep", "float32", "bfloat16")
 KIND_CHOICES = ("auto", "target", "draft")
-EXTRA_DIR = "hf_extra"
-EXTRA_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-)
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 
 
@@ -106,9 +97,9 @@ def _dtype(name: str) -> Any:
     """``keep`` -> None; otherwise the JAX dtype."""
     if name == "keep":
         return None
-    import jax.numpy as jnp
+    from dflash_jax.precision import resolve_dtype
 
-    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+    return resolve_dtype(name)
 
 
 def _say(args: argparse.Namespace, message: str) -> None:

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash_jax.checkpoints.hf_target import resolve_dtype
+from dflash_jax.precision import resolve_dtype
 from dflash_jax.fileio import ensure_writable_dir, write_text_atomic
 from dflash_jax.evaluation.speed import (
     PRESETS, SpeedSettings, format_report, preset_configs, preset_description, preset_models, run_speed,

@@ -140,7 +140,7 @@ def test_engine_with_input_injection_draft_is_lossless():
     prompts = [[3, 9, 4, 1, 7], [2, 8, 8, 6, 5, 4, 3, 2, 1]]
     settings = DecodeSettings(max_new_tokens=24)
     ar = generate(tc, tp, prompts, NoProposer(), NoProposer().init(), settings)
-    prop = DFlashProposer(config, B, settings.sampling)
+    prop = DFlashProposer(config, B)
     out = generate(tc, tp, prompts, prop, prop.init(params, shared_head(tp, False), 2, 16 + 24 + B), settings)
     assert out.tokens == ar.tokens
 

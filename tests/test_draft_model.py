@@ -133,3 +133,21 @@ def test_context_in_three_chunks_equals_context_at_once(tiny):
     np.testing.assert_allclose(chunked.logits, once.logits, atol=1e-5, rtol=0)
     for a, b in zip(once.cache.keys, chunked.cache.keys):
         np.testing.assert_allclose(a[:, :, :27], b[:, :, :27], atol=1e-6, rtol=0)
+
+
+def test_public_one_round_draft_logits(tiny):
+    """``engine.proposers.draft_logits`` (the debugging/parity entry point) against the NumPy reference."""
+    from dflash_jax.engine.proposers import draft_logits
+
+    cfg, weights, config, params, model, shared, embed, head = tiny
+    rng = np.random.default_rng(3)
+    feats = rand_features(rng, 2, 11)
+    anchors = np.array([5, 17], np.int32)
+    logits = np.asarray(draft_logits(config, params, shared, feats, anchors, block_size=6))
+    assert logits.shape == (2, 5, VOCAB)
+    for row in range(2):
+        toks = np.array([anchors[row]] + [config.mask_token_id] * 5, np.int32)
+        ref = draft_forward_reference(weights, cfg, embed, head, feats[row], toks, 11)[1:]
+        assert np.abs(logits[row] - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+    with pytest.raises(ValueError, match="block size 99"):
+        draft_logits(config, params, shared, feats, anchors, block_size=99)

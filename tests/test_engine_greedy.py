@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.engine.decoder import Decoder
-from dflash_jax.engine.generate import DecodeSettings, compiled_functions, generate
+from dflash_jax.engine.generate import DecodeSettings, jitted_functions, generate
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
-from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.models.draft import shared_head
 from engine_tiny import tiny_draft, tiny_target
 
@@ -35,7 +34,7 @@ def setup():
 
 def test_random_draft_is_lossless(setup):
     tc, tp, dc, dp, prompts, settings, ar = setup
-    prop = DFlashProposer(dc, BLOCK, settings.sampling)
+    prop = DFlashProposer(dc, BLOCK)
     state = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), len(prompts), 16 + MAX_NEW + BLOCK)
     out = generate(tc, tp, prompts, prop, state, settings)
     assert out.tokens == ar.tokens
@@ -142,9 +141,9 @@ def test_stop_token_inside_an_accepted_block(setup):
 
 def test_decode_loop_has_no_full_cache_copies(setup):
     tc, tp, dc, dp, prompts, settings, _ = setup
-    prop = DFlashProposer(dc, BLOCK, SamplingConfig())
+    prop = DFlashProposer(dc, BLOCK)
     slots = 16 + MAX_NEW + BLOCK
-    pre, loop = compiled_functions(tc, prop, settings, slots, jnp.float32)
+    pre, loop = jitted_functions(tc, prop, settings, slots, jnp.float32)
     tokens = np.zeros((len(prompts), 16), np.int32)
     lengths = np.asarray(PROMPT_LENGTHS, np.int32)
     consts, state = prop.init(dp, shared_head(tp, False), len(prompts), slots)
@@ -201,3 +200,21 @@ def test_a_broken_target_is_an_error_not_garbage(setup, tmp_path, capsys):
     save_target(config, params, target)
     assert main(["--target", str(target), "--ckpt", str(draft), "--prompt", "hi", "--max-new-tokens", "4"]) == 2
     assert "not finite (NaN or Inf)" in capsys.readouterr().err
+
+
+def test_precision_policy_float32_matmuls_are_explicitly_highest(setup):
+    """float32 runs set every matmul to HIGHEST (GPU TF32 / TPU bf16 passes would otherwise change greedy
+    tokens against the CPU tests); bfloat16 runs leave the device default."""
+    from dflash_jax.engine.generate import pad_prompts
+
+    tc, tp, dc, dp, prompts, settings, ar = setup
+    batch = pad_prompts(tc, prompts, MAX_NEW, BLOCK)
+    prop = DFlashProposer(dc, BLOCK)
+    for dtype, want in ((jnp.float32, True), (jnp.bfloat16, False)):
+        consts, state = prop.init(dp, shared_head(tp, False), len(prompts), batch.slots)
+        pre, _ = jitted_functions(tc, prop, settings, batch.slots, dtype)
+        with jax.default_matmul_precision("default"):  # as on a device (conftest sets "highest" globally)
+            text = pre.lower(tp, consts, state, batch.tokens, batch.lengths, jax.random.PRNGKey(0)).as_text()
+        dots = re.findall(r"stablehlo\.dot_general.*", text)
+        assert dots, "no matmul found in the prefill"
+        assert all(("HIGHEST" in d) == want for d in dots), (dtype, dots[0])

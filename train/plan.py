@@ -195,7 +195,7 @@ def plan_main(args: argparse.Namespace) -> int:
 
     import jax
 
-    from dflash_jax.checkpoints.hf_target import resolve_dtype
+    from dflash_jax.precision import resolve_dtype
     from dflash_jax.training.plan import plan_step
     from dflash_jax.training.step import StepConfig, make_optimizer
 

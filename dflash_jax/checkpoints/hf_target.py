@@ -17,21 +17,9 @@ from dflash_jax.checkpoints.safetensors_io import (
     params_to_tensors,
     save_tensors,
 )
-from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.target import TargetModel
-
-DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
-          "float16": jnp.float16, "fp16": jnp.float16}
-
-
-def resolve_dtype(dtype: Any) -> Any:
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-        return DTYPES[dtype]
-    return dtype
-
+from dflash_jax.precision import resolve_dtype
 
 def abstract_target_params(config: TargetConfig, dtype: Any = jnp.float32) -> dict:
     model = TargetModel(config, dtype)

@@ -9,13 +9,24 @@ from typing import Any
 import numpy as np
 
 from dflash_jax.checkpoints import orbax_io
-from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target, resolve_dtype
+from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target
 from dflash_jax.checkpoints.official_draft import abstract_draft_params, load_draft
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, flatten
 from dflash_jax.models.config import ConfigError, TargetConfig
 from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.precision import resolve_dtype
 
 EXTRA_DIR = "hf_extra"  # tokenizer files kept inside an Orbax checkpoint by ``python -m infer convert``
+# The non-weight files of a Hugging Face / official directory that travel with its weights (plus *.py
+# modeling code of trust_remote_code checkpoints).
+EXTRA_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def _paths(paths: list[tuple[str, ...]]) -> str:

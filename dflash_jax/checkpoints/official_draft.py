@@ -13,9 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from dflash_jax.checkpoints.hf_target import resolve_dtype
 from dflash_jax.checkpoints.safetensors_io import (
     CheckpointError,
     SafetensorsDir,
@@ -26,6 +24,8 @@ from dflash_jax.checkpoints.safetensors_io import (
 )
 from dflash_jax.models.draft import DraftModel, SharedHead, init_draft_cache
 from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.init import random_params
+from dflash_jax.precision import resolve_dtype
 
 
 def draft_key_of(path: tuple[str, ...]) -> str:
@@ -49,23 +49,10 @@ def abstract_draft_params(config: DraftConfig, dtype: Any = jnp.float32) -> dict
 
 
 def init_draft_params(config: DraftConfig, seed: int = 0, dtype: Any = jnp.float32, std: float | None = None) -> dict:
-    """Random draft params: norms at one, biases at zero, linear kernels N(0, std^2), by default
-    std = 1/sqrt(fan_in). ``std=0.02`` is what the official (Hugging Face Qwen3) code initialises a new draft
-    with (``initializer_range``), the trainer's starting point. Drawn with NumPy on the host: op-by-op JAX
-    initialisation is seconds even for tiny models."""
-    rng = np.random.default_rng(seed)
-
-    def init(path, leaf):
-        name = getattr(path[-1], "key", "")
-        if name == "weight":
-            value = np.ones(leaf.shape, np.float32)
-        elif name == "bias":
-            value = np.zeros(leaf.shape, np.float32)
-        else:
-            value = rng.standard_normal(leaf.shape, np.float32) * (leaf.shape[0] ** -0.5 if std is None else std)
-        return jnp.asarray(value, leaf.dtype)
-
-    return jax.tree_util.tree_map_with_path(init, abstract_draft_params(config, dtype))
+    """Random draft params (``models.init.random_params``): norms at one, biases at zero, linear kernels
+    N(0, std^2), by default std = 1/sqrt(fan_in). ``std=0.02`` is what the official (Hugging Face Qwen3) code
+    initialises a new draft with (``initializer_range``), the trainer's starting point."""
+    return random_params(abstract_draft_params(config, dtype), seed, std)
 
 
 def load_draft(path: str | Path, dtype: Any = None, progress: bool = False) -> tuple[DraftConfig, dict]:

@@ -12,7 +12,6 @@ from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 
-from dflash_jax.checkpoints.hf_target import resolve_dtype
 from dflash_jax.engine.generate import DecodeSettings, GenerationResult, cache_slots, generate, prompt_width
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer
 from dflash_jax.engine.sampling import SamplingConfig
@@ -20,6 +19,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig, read_json_object
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.precision import resolve_dtype
 
 
 @dataclasses.dataclass
@@ -39,7 +39,7 @@ class Decoder:
                 self.block_size = self.draft_config.block_size
             if not 2 <= self.block_size <= self.draft_config.block_size:
                 raise UserError(
-                    f"--block-size {self.block_size} must be between 2 and the draft's block_size "
+                    f"block_size {self.block_size} must be between 2 and the draft's block_size "
                     f"{self.draft_config.block_size}"
                 )
 
@@ -66,7 +66,7 @@ class Decoder:
         if baseline or not self.has_draft:
             return generate(self.target_config, self.target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)
-        proposer = DFlashProposer(self.draft_config, self.block_size, sampling, self.dtype)
+        proposer = DFlashProposer(self.draft_config, self.block_size, self.dtype)
         slots = cache_slots(max(len(p) for p in prompts), max_new_tokens, self.block_size,
                             self.target_config.max_position_embeddings)
         inputs = proposer.init(

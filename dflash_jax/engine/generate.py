@@ -21,6 +21,7 @@ from dflash_jax.engine.sampling import SamplingConfig, accept_greedy, accept_sam
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.target import TargetModel, init_cache
+from dflash_jax.precision import with_precision_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +98,8 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
     b = s.anchor.shape[0]
     active = ~s.done
     key, k_draft, k_accept = jax.random.split(s.key, 3)
-    drafts, draft_probs, pstate = proposer.propose(proposer_consts, s.proposer, s.ctx, s.anchor, s.start, k_draft)
+    drafts, draft_probs, pstate = proposer.propose(proposer_consts, s.proposer, s.ctx, s.anchor, s.start, k_draft,
+                                                   settings.sampling)
     tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)
     positions = s.start[:, None] + jnp.arange(block, dtype=jnp.int32)[None]
     verify = TargetModel(target_config, dtype).apply(
@@ -157,13 +159,14 @@ def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings,
     return jax.lax.while_loop(cond, body, state)
 
 
-@functools.lru_cache(maxsize=64)
-def compiled_functions(target_config: TargetConfig, proposer, settings: DecodeSettings, slots: int, dtype):
-    """Jitted prefill and decode for one configuration (XLA then caches one program per input shape)."""
-    pre = jax.jit(functools.partial(prefill, target_config, proposer, settings, slots, dtype=dtype))
+def jitted_functions(target_config: TargetConfig, proposer, settings: DecodeSettings, slots: int, dtype):
+    """Jitted prefill and decode loop for one configuration (not yet compiled: ``generate`` compiles them
+    ahead of time into its executable cache)."""
+    pre = jax.jit(with_precision_policy(
+        functools.partial(prefill, target_config, proposer, settings, slots, dtype=dtype), dtype))
     # Only the loop state (caches, buffers) is donated: params and proposer constants belong to the caller.
-    loop = jax.jit(functools.partial(decode_loop, target_config, proposer, settings, dtype=dtype),
-                   donate_argnums=(2,))
+    loop = jax.jit(with_precision_policy(
+        functools.partial(decode_loop, target_config, proposer, settings, dtype=dtype), dtype), donate_argnums=(2,))
     return pre, loop
 
 
@@ -186,17 +189,6 @@ class GenerationResult:
         """Mean acceptance length over all rounds of all rows."""
         flat = [a for row in self.accept_lengths for a in row]
         return float(np.mean(flat)) if flat else float("nan")
-
-
-# Compiled (prefill, loop) executables by configuration and input shapes: compiling ahead of time keeps
-# compilation out of the measured prefill/decode times, and this cache makes a second call with the same
-# shapes (the next benchmark sample) free.
-_EXECUTABLES: dict = {}
-
-
-def _shapes(tree: Any) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves))
 
 
 def _committed(state: LoopState) -> list[list[int]]:
@@ -231,6 +223,104 @@ def bucket(n: int, smallest: int = 16) -> int:
     return width
 
 
+@dataclasses.dataclass(frozen=True)
+class PaddedBatch:
+    tokens: np.ndarray  # [B, width] right-padded prompts
+    lengths: np.ndarray  # [B] real prompt lengths
+    slots: int  # cache slots the proposer's state must have
+
+
+def pad_prompts(target_config: TargetConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                block_size: int) -> PaddedBatch:
+    """Check the prompts against the target (non-empty, ids inside the vocabulary, room for the answer) and
+    right-pad them to a power-of-two width (``prompt_width``) so that nearby lengths share one program."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise UserError("every prompt needs at least one token")
+    vocab = target_config.vocab_size
+    for i, p in enumerate(prompts):
+        bad = [t for t in p if not 0 <= int(t) < vocab]
+        if bad:  # JAX would not fail: the embedding lookup of an out-of-range id gives NaN
+            raise UserError(f"prompt {i} has token id {bad[0]} outside the target's vocabulary (0..{vocab - 1}); "
+                            "is the tokenizer the target's own?")
+    longest = max(len(p) for p in prompts)
+    max_positions = target_config.max_position_embeddings
+    width = prompt_width(longest, max_new_tokens, max_positions)
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    return PaddedBatch(tokens, lengths, cache_slots(longest, max_new_tokens, block_size, max_positions))
+
+
+# The one compile cache of the engine: (prefill, loop) executables by configuration and input shapes.
+# Compiling ahead of time keeps compilation out of the measured prefill/decode times, and the cache makes a
+# second call with the same shapes (the next benchmark sample) free.
+_EXECUTABLES: dict = {}
+_MAX_EXECUTABLES = 32
+
+
+def _shapes(tree: Any) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return (treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves))
+
+
+def executables(target_config: TargetConfig, target_params: dict, proposer, proposer_inputs: tuple[Any, Any],
+                settings: DecodeSettings, batch: PaddedBatch, key: jax.Array, dtype: Any) -> tuple[Any, Any]:
+    """The compiled ``(prefill, loop)`` for this call, from the cache or compiled (and warmed up) now."""
+    consts, pstate = proposer_inputs
+    signature = (target_config, proposer, settings, batch.slots, dtype, _shapes(target_params),
+                 _shapes(proposer_inputs), batch.tokens.shape)
+    if signature not in _EXECUTABLES:
+        pre, loop = jitted_functions(target_config, proposer, settings, batch.slots, dtype)
+        pre_c = pre.lower(target_params, consts, pstate, batch.tokens, batch.lengths, key).compile()
+        state_shape = jax.eval_shape(pre, target_params, consts, pstate, batch.tokens, batch.lengths, key)
+        loop_c = loop.lower(target_params, consts, state_shape, jnp.int32(0)).compile()
+        # The first execution of a fresh executable is several times slower on CPU (measured 27 vs 1.4 ms per
+        # token); one round of warm-up keeps that out of the timings.
+        warm = pre_c(target_params, consts, pstate, batch.tokens, batch.lengths, key)
+        jax.block_until_ready(loop_c(target_params, consts, warm, jnp.int32(1)))
+        _EXECUTABLES[signature] = (pre_c, loop_c)
+        while len(_EXECUTABLES) > _MAX_EXECUTABLES:
+            _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
+    return _EXECUTABLES[signature]
+
+
+def _check_prefill(state: LoopState) -> None:
+    broken = np.flatnonzero(~np.asarray(state.prefill_finite))
+    if broken.size:  # NaN/Inf logits would decode as garbage (or an empty text) with nothing to say why
+        raise UserError(f"the target's logits for prompt {int(broken[0])} are not finite (NaN or Inf) after the "
+                        "prefill: the target checkpoint is broken (a NaN/Inf weight, or a dtype that overflows)")
+
+
+def _decode(loop_c: Any, target_params: dict, consts: Any, state: LoopState, max_new_tokens: int,
+            on_tokens: Callable[[list[list[int]]], None] | None, chunk_rounds: int) -> LoopState:
+    """The whole decode in one device call, or ``chunk_rounds`` rounds at a time with ``on_tokens`` shown
+    every row's tokens so far after each chunk (streaming)."""
+    if on_tokens is None:
+        return jax.block_until_ready(loop_c(target_params, consts, state, jnp.int32(max_new_tokens)))
+    on_tokens(_committed(state))
+    limit = 0
+    while not bool(np.all(np.asarray(state.done))) and limit < max_new_tokens:
+        limit += chunk_rounds
+        state = loop_c(target_params, consts, state, jnp.int32(limit))
+        on_tokens(_committed(state))
+    return state
+
+
+def _result(state: LoopState, settings: DecodeSettings, prefill_s: float, decode_s: float,
+            compile_s: float) -> GenerationResult:
+    out, num_out, rounds, accept = (np.asarray(x) for x in (state.out, state.num_out, state.rounds, state.accept))
+    rows = range(out.shape[0])
+    drafts = np.asarray(state.drafts) if settings.record_drafts else None
+    return GenerationResult(
+        tokens=[out[i, : num_out[i]].tolist() for i in rows],
+        accept_lengths=[accept[i, : rounds[i]].tolist() for i in rows],
+        rounds=rounds.tolist(),
+        prefill_s=prefill_s, decode_s=decode_s, compile_s=compile_s,
+        drafts=[drafts[i, : rounds[i]] for i in rows] if drafts is not None else None,
+    )
+
+
 def generate(
     target_config: TargetConfig,
     target_params: dict,
@@ -243,75 +333,22 @@ def generate(
     on_tokens: Callable[[list[list[int]]], None] | None = None,
     chunk_rounds: int = 8,
 ) -> GenerationResult:
-    """Generate for a batch of token-id prompts of any lengths. Prompts are right-padded to a power of two
-    (``prompt_width``) so that nearby lengths share one compiled program; a proposer's caches must have
-    ``cache_slots`` slots.
-
-    With ``on_tokens`` the loop runs ``chunk_rounds`` rounds at a time and the callback receives every row's
-    tokens so far after each chunk (streaming); otherwise the whole decode is one device call.
-    """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise UserError("every prompt needs at least one token")
-    vocab = target_config.vocab_size
-    for i, p in enumerate(prompts):
-        bad = [t for t in p if not 0 <= int(t) < vocab]
-        if bad:  # JAX would not fail: the embedding lookup of an out-of-range id gives NaN
-            raise UserError(f"prompt {i} has token id {bad[0]} outside the target's vocabulary (0..{vocab - 1}); "
-                             "is the tokenizer the target's own?")
-    longest = max(len(p) for p in prompts)
-    max_positions = target_config.max_position_embeddings
-    width = prompt_width(longest, settings.max_new_tokens, max_positions)
-    slots = cache_slots(longest, settings.max_new_tokens, proposer.block_size, max_positions)
-    tokens = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, : len(p)] = p
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    pre, loop = compiled_functions(target_config, proposer, settings, slots, dtype)
+    """Generate for a batch of token-id prompts of any lengths: pad (``pad_prompts``; a proposer's caches must
+    have ``batch.slots`` = ``cache_slots`` slots), compile or reuse (``executables``), prefill, decode
+    (streamed through ``on_tokens`` in chunks of ``chunk_rounds`` rounds, or in one device call)."""
+    batch = pad_prompts(target_config, prompts, settings.max_new_tokens, proposer.block_size)
     key = jax.random.PRNGKey(seed)
+    consts, pstate = proposer_inputs
 
     t0 = time.perf_counter()
-    consts, pstate = proposer_inputs
-    signature = (target_config, proposer, settings, slots, dtype, _shapes(target_params), _shapes(proposer_inputs),
-                 tokens.shape)
-    if signature not in _EXECUTABLES:
-        pre_c = pre.lower(target_params, consts, pstate, tokens, lengths, key).compile()
-        state_shape = jax.eval_shape(pre, target_params, consts, pstate, tokens, lengths, key)
-        loop_c = loop.lower(target_params, consts, state_shape, jnp.int32(0)).compile()
-        # The first execution of a fresh executable is several times slower on CPU (measured 27 vs 1.4 ms per
-        # token); one round of warm-up keeps that out of the timings.
-        warm = pre_c(target_params, consts, pstate, tokens, lengths, key)
-        jax.block_until_ready(loop_c(target_params, consts, warm, jnp.int32(1)))
-        _EXECUTABLES[signature] = (pre_c, loop_c)
-        while len(_EXECUTABLES) > 32:
-            _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
-    pre_c, loop_c = _EXECUTABLES[signature]
+    pre_c, loop_c = executables(target_config, target_params, proposer, proposer_inputs, settings, batch, key, dtype)
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    state = jax.block_until_ready(pre_c(target_params, consts, pstate, tokens, lengths, key))
+    state = jax.block_until_ready(pre_c(target_params, consts, pstate, batch.tokens, batch.lengths, key))
     prefill_s = time.perf_counter() - t0
-    broken = np.flatnonzero(~np.asarray(state.prefill_finite))
-    if broken.size:  # NaN/Inf logits would decode as garbage (or an empty text) with nothing to say why
-        raise UserError(f"the target's logits for prompt {int(broken[0])} are not finite (NaN or Inf) after the "
-                         "prefill: the target checkpoint is broken (a NaN/Inf weight, or a dtype that overflows)")
-    t0 = time.perf_counter()
-    if on_tokens is None:
-        state = jax.block_until_ready(loop_c(target_params, consts, state, jnp.int32(settings.max_new_tokens)))
-    else:
-        on_tokens(_committed(state))
-        limit = 0
-        while not bool(np.all(np.asarray(state.done))) and limit < settings.max_new_tokens:
-            limit += chunk_rounds
-            state = loop_c(target_params, consts, state, jnp.int32(limit))
-            on_tokens(_committed(state))
-    decode_s = time.perf_counter() - t0
+    _check_prefill(state)
 
-    out, num_out, rounds, accept = (np.asarray(x) for x in (state.out, state.num_out, state.rounds, state.accept))
-    drafts = np.asarray(state.drafts) if settings.record_drafts else None
-    return GenerationResult(
-        tokens=[out[i, : num_out[i]].tolist() for i in range(len(prompts))],
-        accept_lengths=[accept[i, : rounds[i]].tolist() for i in range(len(prompts))],
-        rounds=rounds.tolist(),
-        prefill_s=prefill_s, decode_s=decode_s, compile_s=compile_s,
-        drafts=[drafts[i, : rounds[i]] for i in range(len(prompts))] if drafts is not None else None,
-    )
+    t0 = time.perf_counter()
+    state = _decode(loop_c, target_params, consts, state, settings.max_new_tokens, on_tokens, chunk_rounds)
+    return _result(state, settings, prefill_s, time.perf_counter() - t0, compile_s)

@@ -11,9 +11,10 @@ Methods:
 
 - ``ingest(consts, state, features, positions, valid)`` -> state: the target features of verified positions
   (the prompt after prefill)
-- ``propose(consts, state, ctx, anchor, start, key)`` -> ``(tokens [B, K], probs [B, K, V] | None, state)``: the
-  K = block-1 proposed tokens for positions ``start+1 .. start+K`` and, for sampling, the distribution each
-  came from (None means a deterministic proposal). ``ctx = (features, positions, valid)`` holds the target
+- ``propose(consts, state, ctx, anchor, start, key, sampling)`` -> ``(tokens [B, K], probs [B, K, V] | None,
+  state)``: the K = block-1 proposed tokens for positions ``start+1 .. start+K`` and, for sampling, the
+  distribution each came from (None means a deterministic proposal). ``sampling`` is the decode's own
+  ``SamplingConfig`` (``DecodeSettings.sampling``, the one place it is set). ``ctx = (features, positions, valid)`` holds the target
   features of the positions verified in the previous round, which the DFlash draft writes into its context
   cache within the same forward.
 
@@ -40,7 +41,6 @@ class DFlashProposer:
 
     config: DraftConfig
     block_size: int
-    sampling: SamplingConfig
     dtype: Any = jnp.float32
 
     def __post_init__(self):
@@ -66,7 +66,7 @@ class DFlashProposer:
                                  method=DraftModel.write_context)
         return {"cache": cache}
 
-    def propose(self, consts: dict, state: dict, ctx, anchor, start, key):
+    def propose(self, consts: dict, state: dict, ctx, anchor, start, key, sampling: SamplingConfig):
         b = anchor.shape[0]
         k = self.block_size - 1
         tokens = jnp.concatenate([anchor[:, None], jnp.full((b, k), self.config.mask_token_id, jnp.int32)], axis=1)
@@ -78,10 +78,29 @@ class DFlashProposer:
         )
         state = {"cache": out.cache}
         logits = out.logits
-        if self.sampling.greedy:
+        if sampling.greedy:
             return argmax(logits), None, state
-        probs = probabilities(logits, self.sampling)
+        probs = probabilities(logits, sampling)
         return sample(key, probs).astype(jnp.int32), probs, state
+
+
+def draft_logits(config: DraftConfig, params: dict, shared: SharedHead, context_features: jax.Array,
+                 anchor: jax.Array, block_size: int | None = None, dtype: Any = jnp.float32) -> jax.Array:
+    """One round of the DFlash draft, for debugging and parity checks: the logits ``[B, block_size-1, V]``
+    of the mask positions after ``anchor [B]`` (the last verified token, at position ``T``), given the raw
+    target features ``[B, T, n*H]`` of the ``T`` verified positions before it (all valid). The engine's
+    rounds compute exactly this, with the context cached across rounds."""
+    block = config.block_size if block_size is None else block_size
+    DFlashProposer(config, block)  # validates the block size
+    b, t = context_features.shape[:2]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    tokens = jnp.concatenate([jnp.asarray(anchor, jnp.int32)[:, None],
+                              jnp.full((b, block - 1), config.mask_token_id, jnp.int32)], axis=1)
+    out = DraftModel(config, dtype).apply(
+        {"params": params}, tokens, t + jnp.broadcast_to(jnp.arange(block)[None], (b, block)),
+        jnp.asarray(context_features), positions, jnp.ones((b, t), bool), init_draft_cache(config, b, t + block, dtype),
+        shared, skip_anchor_logits=True)
+    return out.logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +122,7 @@ class OracleProposer:
     def ingest(self, consts, state, features, positions, valid):
         return state
 
-    def propose(self, consts, state, ctx, anchor, start, key):
+    def propose(self, consts, state, ctx, anchor, start, key, sampling):
         pos = start[:, None] + 1 + jnp.arange(self.block_size - 1)[None]
         ref = jnp.take_along_axis(consts["reference"], pos, axis=1, mode="clip")
         bad = jnp.take_along_axis(consts["errors"], pos, axis=1, mode="fill", fill_value=False)
@@ -123,5 +142,5 @@ class NoProposer:
     def ingest(self, consts, state, features, positions, valid):
         return state
 
-    def propose(self, consts, state, ctx, anchor, start, key):
+    def propose(self, consts, state, ctx, anchor, start, key, sampling):
         return jnp.zeros((anchor.shape[0], 0), jnp.int32), None, state

@@ -43,23 +43,39 @@ class SamplingConfig:
 
 
 def probabilities(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
-    """The sampling distribution over the last axis after temperature, top-k and top-p (float32)."""
+    """The sampling distribution over the last axis after temperature, top-k and top-p (float32). Neither
+    filter sorts the vocabulary (152k entries for Qwen3, at every block position): top-k is ``lax.top_k``'s
+    k-th value, top-p a threshold search (``top_p_keep``)."""
     x = logits.astype(jnp.float32) / max(cfg.temperature, 1e-6)
     if cfg.top_k and cfg.top_k < x.shape[-1]:
         kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
         x = jnp.where(x < kth, -jnp.inf, x)
     probs = jax.nn.softmax(x, axis=-1)
     if cfg.top_p < 1.0:
-        order = jnp.argsort(-probs, axis=-1)
-        sorted_p = jnp.take_along_axis(probs, order, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays).
-        keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < cfg.top_p
-        keep = jnp.zeros_like(keep_sorted).at[
-            tuple(jnp.indices(order.shape)[:-1]) + (order,)
-        ].set(keep_sorted)
-        probs = jnp.where(keep, probs, 0.0)
+        probs = jnp.where(top_p_keep(probs, cfg.top_p), probs, 0.0)
         probs = probs / probs.sum(-1, keepdims=True)
     return probs
+
+
+def top_p_keep(probs: jax.Array, top_p: float) -> jax.Array:
+    """Nucleus filter without a sort: keep the most probable tokens until their mass reaches ``top_p`` (the
+    token crossing it stays), i.e. every token with ``p >= t*`` where ``t*`` is the LARGEST ``t`` whose mass
+    ``sum(p[p >= t])`` still reaches ``top_p``. ``t*`` is one of the probabilities, found exactly by binary
+    search over the bit patterns of the non-negative float32 values (ordered like the values): 32 masked
+    sums over the vocabulary instead of an O(V log V) sort and a scatter. Tokens tied with ``t*`` are all kept
+    (a sort would keep an arbitrary subset of them)."""
+    bits = jax.lax.bitcast_convert_type(probs.astype(jnp.float32), jnp.int32)
+    lo = jnp.zeros(probs.shape[:-1] + (1,), jnp.int32)  # mass(p >= 0) = 1 >= top_p
+    hi = jnp.max(bits, axis=-1, keepdims=True) + 1  # mass(p > max) = 0 < top_p
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        enough = jnp.sum(jnp.where(bits >= mid, probs, 0.0), axis=-1, keepdims=True) >= top_p
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))  # 2**31 patterns: 31 halvings close the gap
+    return bits >= lo
 
 
 def argmax(x: jax.Array) -> jax.Array:

@@ -106,8 +106,8 @@ class Journal:
             if changed:
                 k = changed[0]
                 raise UserError(f"{self.path}: written by a run with other settings ({k}: "
-                                f"{stored['settings'].get(k)!r} there, {settings.get(k)!r} now); pass another "
-                                f"--out or delete it to start over")
+                                f"{stored['settings'].get(k)!r} there, {settings.get(k)!r} now); use another "
+                                f"output folder or delete it to start over")
             kept = [lines[0]]
             for line in lines[1:]:
                 try:

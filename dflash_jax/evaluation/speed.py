@@ -30,7 +30,6 @@ each measured speedup with its matching bound.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -42,13 +41,14 @@ import numpy as np
 from dflash_jax.checkpoints.hf_target import abstract_target_params
 from dflash_jax.checkpoints.official_draft import abstract_draft_params
 from dflash_jax.engine.generate import (
-    DecodeSettings, GenerationResult, compiled_functions, decode_round, generate, prompt_width, cache_slots,
+    DecodeSettings, GenerationResult, jitted_functions, decode_round, generate, prompt_width, cache_slots,
 )
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
 from dflash_jax.evaluation.machine import load_average, machine_info
 from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.init import random_params
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig, default_target_layer_ids
 from dflash_jax.models.target import TargetModel
@@ -101,7 +101,7 @@ def preset_configs(name: str, block_size: int | None = None,
         from dflash_jax.configs import load_pairing
 
         if draft_layers is not None:
-            raise UserError(f"--draft-layers applies to the shape presets ({', '.join(SHAPE_PRESETS)}), "
+            raise UserError(f"draft_layers applies to the shape presets ({', '.join(SHAPE_PRESETS)}), "
                              f"not to {name!r}, whose draft is the released one's shape")
         pairing = load_pairing(PAIRING_PRESETS[name])
         return pairing.target, pairing.draft
@@ -117,7 +117,7 @@ def preset_configs(name: str, block_size: int | None = None,
     ), source=f"preset {name}")
     layers = p.draft_layers if draft_layers is None else draft_layers
     if layers < 1:
-        raise UserError(f"--draft-layers must be at least 1, got {layers}")
+        raise UserError(f"draft_layers must be at least 1, got {layers}")
     ids = p.feature_layers if draft_layers is None else None
     if ids is None and len(set(default_target_layer_ids(p.num_hidden_layers, layers))) < layers:
         ids = tuple(int(i) for i in np.linspace(0, p.num_hidden_layers - 1, layers).round())
@@ -126,47 +126,11 @@ def preset_configs(name: str, block_size: int | None = None,
     return target, draft
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) -> jax.Array:
-    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
-
-
-HOST_INIT_LIMIT = 300_000_000  # parameters; bigger models are drawn on the device
-
-
-def random_params(abstract: Any, seed: int = 0) -> Any:
-    """Random weights for a params tree of ``jax.ShapeDtypeStruct``. Norm weights are one, biases zero,
-    embeddings N(0, 1), linear kernels ``[in, out]`` N(0, 1/in). Timing does not depend on the values, but
-    these keep activations and logits at unit scale, so greedy choices are well separated and the
-    autoregressive and speculative outputs agree. Models up to ``HOST_INIT_LIMIT`` parameters are drawn
-    with NumPy (no per-shape compiles); bigger ones (8B) with ``jax.random`` directly on the default device,
-    with no host copy."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    on_host = sum(int(np.prod(leaf.shape)) for _, leaf in leaves) <= HOST_INIT_LIMIT
-    rng = np.random.default_rng(seed)
-    key = jax.random.PRNGKey(seed)
-    out = []
-    for i, (path, leaf) in enumerate(leaves):
-        name = getattr(path[-1], "key", "")
-        shape, dtype = tuple(leaf.shape), leaf.dtype
-        if name == "weight" and len(shape) == 1:
-            out.append(jnp.asarray(np.ones(shape, np.float32), dtype))
-        elif name == "bias":
-            out.append(jnp.asarray(np.zeros(shape, np.float32), dtype))
-        else:
-            std = 1.0 if name == "embedding" else shape[0] ** -0.5
-            if on_host:
-                out.append(jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(std), dtype))
-            else:
-                out.append(_normal(jax.random.fold_in(key, i), shape, dtype, jnp.float32(std)))
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
 def preset_models(name: str, block_size: int | None = None, dtype: Any = jnp.float32, seed: int = 0,
                   draft_layers: int | None = None) -> tuple[TargetConfig, dict, DraftConfig, dict]:
     target, draft = preset_configs(name, block_size, draft_layers)
     if block_size is not None and not 2 <= block_size <= draft.block_size:
-        raise UserError(f"--block-size {block_size} must be between 2 and the draft's block_size {draft.block_size}")
+        raise UserError(f"block_size {block_size} must be between 2 and the draft's block_size {draft.block_size}")
     target_params = random_params(abstract_target_params(target, dtype), seed)
     draft_params = random_params(abstract_draft_params(draft, dtype), seed + 1)
     return target, target_params, draft, draft_params
@@ -253,16 +217,16 @@ class SpeedSettings:
 
     def validate(self) -> None:
         checks = [
-            (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
-            (self.block_size >= 2, f"--block-size must be at least 2, got {self.block_size}"),
+            (self.batch >= 1, f"batch must be at least 1, got {self.batch}"),
+            (self.block_size >= 2, f"block_size must be at least 2, got {self.block_size}"),
             (self.context >= self.block_size,
-             f"--context ({self.context}) must be at least --block-size ({self.block_size}): the draft "
+             f"context ({self.context}) must be at least block_size ({self.block_size}): the draft "
              "timing rewrites the last block of context features"),
-            (self.new_tokens >= 2, f"--new-tokens must be at least 2, got {self.new_tokens}"),
+            (self.new_tokens >= 2, f"new_tokens must be at least 2, got {self.new_tokens}"),
             (1 <= self.tau <= self.block_size,
-             f"--tau must be between 1 and --block-size ({self.block_size}), got {self.tau}"),
-            (self.repeats >= 1, f"--repeats must be at least 1, got {self.repeats}"),
-            (self.e2e_repeats >= 1, f"--e2e-repeats must be at least 1, got {self.e2e_repeats}"),
+             f"tau must be between 1 and block_size ({self.block_size}), got {self.tau}"),
+            (self.repeats >= 1, f"repeats must be at least 1, got {self.repeats}"),
+            (self.e2e_repeats >= 1, f"e2e_repeats must be at least 1, got {self.e2e_repeats}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -309,13 +273,13 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
     key = jax.random.PRNGKey(s.seed)
 
     # Caches filled by real prefills, with the slot counts generate() uses for each mode.
-    prop = DFlashProposer(dc, block, SamplingConfig(), dtype)
+    prop = DFlashProposer(dc, block, dtype)
     slots = cache_slots(s.context, s.new_tokens, block, tc.max_position_embeddings)
     consts, pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), b, slots)
-    pre, _ = compiled_functions(tc, prop, settings, slots, dtype)
+    pre, _ = jitted_functions(tc, prop, settings, slots, dtype)
     state0 = jax.block_until_ready(pre(tp, consts, pstate, tokens, lengths, key))
     ar_prop = NoProposer()
-    ar_pre, _ = compiled_functions(tc, ar_prop, settings,
+    ar_pre, _ = jitted_functions(tc, ar_prop, settings,
                                    cache_slots(s.context, s.new_tokens, 1, tc.max_position_embeddings), dtype)
     ar_state0 = jax.block_until_ready(ar_pre(tp, *ar_prop.init(), tokens, lengths, key))
     start = state0.start  # [b] = context: the first anchor's position
@@ -343,7 +307,7 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
     draft_key = jax.random.PRNGKey(s.seed + 1)
 
     def draft(draft_consts, ctx_, anchor, st, pstate_):
-        drafts, _, new = prop.propose(draft_consts, pstate_, ctx_, anchor, st, draft_key)
+        drafts, _, new = prop.propose(draft_consts, pstate_, ctx_, anchor, st, draft_key, SamplingConfig())
         return drafts, new
 
     benches.append(Bench("draft", draft, (consts, ctx, state0.anchor, start), (state0.proposer,)))
@@ -433,7 +397,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
               log: Callable[[str], None] = lambda _: None) -> dict:
     """The whole benchmark; returns a JSON-ready report (see :func:`format_report`)."""
     s.validate()
-    DFlashProposer(dc, s.block_size, SamplingConfig(), s.dtype)  # validates the block size against the draft
+    DFlashProposer(dc, s.block_size, s.dtype)  # validates the block size against the draft
     prompts = random_prompts(tc.vocab_size, s.batch, s.context, s.seed)
     settings = DecodeSettings(max_new_tokens=s.new_tokens)
     t_start = time.perf_counter()
@@ -451,7 +415,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
     reference, errors = plant_errors(prompts, reference_tokens, s.tau, s.block_size, width)
     oracle = OracleProposer(s.block_size, tc.vocab_size)
     ostate = oracle.init(jnp.asarray(reference), jnp.asarray(errors))
-    prop = DFlashProposer(dc, s.block_size, SamplingConfig(), s.dtype)
+    prop = DFlashProposer(dc, s.block_size, s.dtype)
     pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), s.batch, width)
     runs = run_e2e({
         "autoregressive": run_ar,

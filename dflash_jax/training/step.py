@@ -30,6 +30,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.draft import DraftModel, SharedHead, shared_head
 from dflash_jax.models.target import TargetModel
 from dflash_jax.training.anchors import block_labels, sample_anchors, uniform_anchors
+from dflash_jax.precision import with_precision_policy
 from dflash_jax.training.forward import _block_hidden, _context_kv, frozen
 from dflash_jax.training.loss import LossSums, block_loss_sums, loss_and_metrics
 
@@ -201,7 +202,7 @@ def make_train_step(target: TargetModel, draft: DraftModel, cfg: StepConfig, opt
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 
-    return step
+    return with_precision_policy(step, draft.dtype)  # float32 steps: full-precision matmuls on every device
 
 
 def init_train_state(params: Any, optimizer: optax.GradientTransformation, seed: int) -> TrainState:

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from dflash_jax import sharding
 from dflash_jax.checkpoints import orbax_io
-from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target, resolve_dtype
+from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target
 from dflash_jax.checkpoints.loading import load_draft_any, load_tokenizer, restore_orbax, tokenizer_dir
 from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft
 from dflash_jax.data.pipeline import BatchIterator, make_dataset, steps_per_run
@@ -33,6 +33,7 @@ from dflash_jax.models.config import ConfigError, TargetConfig
 from dflash_jax.models.draft import DraftModel
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.target import TargetModel
+from dflash_jax.precision import resolve_dtype
 from dflash_jax.training.checkpointing import TrainCheckpoints, abstract_like
 from dflash_jax.training.loss import default_gamma
 from dflash_jax.training.metrics import MetricsLogger

@@ -1,0 +1,46 @@
+"""Random weights for any params tree: speed runs, tests, and the starting point of a new draft."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) -> jax.Array:
+    return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+
+HOST_INIT_LIMIT = 300_000_000  # parameters; bigger models are drawn on the device
+
+
+def random_params(abstract: Any, seed: int = 0, std: float | None = None) -> Any:
+    """Random weights for a params tree of ``jax.ShapeDtypeStruct``. Norm weights are one, biases zero,
+    embeddings N(0, 1), linear kernels ``[in, out]`` N(0, 1/in), or N(0, std^2) when ``std`` is given (0.02 is
+    Hugging Face's ``initializer_range``, a new draft's start). Unit-scale activations keep greedy choices
+    well separated in speed runs and tests. Models up to ``HOST_INIT_LIMIT`` parameters are drawn with NumPy
+    (no per-shape compiles); bigger ones (8B) with ``jax.random`` directly on the default device, with no
+    host copy."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    on_host = sum(int(np.prod(leaf.shape)) for _, leaf in leaves) <= HOST_INIT_LIMIT
+    rng = np.random.default_rng(seed)
+    key = jax.random.PRNGKey(seed)
+    out = []
+    for i, (path, leaf) in enumerate(leaves):
+        name = getattr(path[-1], "key", "")
+        shape, dtype = tuple(leaf.shape), leaf.dtype
+        if name == "weight" and len(shape) == 1:
+            out.append(jnp.asarray(np.ones(shape, np.float32), dtype))
+        elif name == "bias":
+            out.append(jnp.asarray(np.zeros(shape, np.float32), dtype))
+        else:
+            scale = 1.0 if name == "embedding" else (shape[0] ** -0.5 if std is None else std)
+            if on_host:
+                out.append(jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(scale), dtype))
+            else:
+                out.append(_normal(jax.random.fold_in(key, i), shape, dtype, jnp.float32(scale)))
+    return jax.tree_util.tree_unflatten(treedef, out)

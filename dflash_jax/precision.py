@@ -1,0 +1,48 @@
+"""Dtypes by name and the precision policy: the one place that turns a user's ``--dtype`` into a JAX dtype
+and decides how precisely matmuls run in it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.errors import UserError
+
+DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+          "float16": jnp.float16, "fp16": jnp.float16}
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    """A dtype name (``float32``, ``bf16``, ...) or a dtype -> the JAX dtype; unknown names name the choices."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise UserError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+        return DTYPES[dtype]
+    return dtype
+
+
+# The precision policy. bfloat16 (accelerators): weights, activations and matmuls in bf16; RMSNorm, attention
+# scores and softmax in float32 (models/layers.py), logits cast to float32 before sampling. float32 (CPU, parity
+# runs): every matmul at full float32 precision, set explicitly, because the default on GPUs (TF32) and TPUs
+# (bf16 passes) is not float32 and would change greedy tokens against the CPU tests.
+def matmul_precision(dtype: Any) -> contextlib.AbstractContextManager:
+    """The matmul precision context of a computation in ``dtype``: HIGHEST for float32, the default else."""
+    if jnp.dtype(resolve_dtype(dtype)) == jnp.float32:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
+
+
+def with_precision_policy(fn: Callable, dtype: Any) -> Callable:
+    """``fn`` traced under ``matmul_precision(dtype)`` (wrap before ``jax.jit``: the context applies at trace
+    time, and the precision is then part of the compiled program)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with matmul_precision(dtype):
+            return fn(*args, **kwargs)
+
+    return wrapped
