@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "reported (default 10)")
     parser.add_argument("--e2e-repeats", type=positive("--e2e-repeats"), default=1, metavar="N",
                         help="end-to-end generations per mode; the median decode time is reported (default 1)")
+    parser.add_argument("--cache-slots", type=positive("--cache-slots"), metavar="N",
+                        help="preallocate at least N cache slots for the component timings (default: what "
+                             "--context and --new-tokens need); a larger cache must not make a round slower, "
+                             "since attention stops at the live length")
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights and prompts (default 0)")
     parser.add_argument("--json", metavar="FILE", help="also write the full report (every timing) as JSON to FILE")
     return parser
@@ -97,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
 def settings_of(args: argparse.Namespace, draft_block: int) -> SpeedSettings:
     settings = SpeedSettings(batch=args.batch, block_size=args.block_size or draft_block, context=args.context,
                              new_tokens=args.new_tokens, tau=args.tau, repeats=args.repeats,
-                             e2e_repeats=args.e2e_repeats, seed=args.seed, dtype=resolve_dtype(args.dtype))
+                             e2e_repeats=args.e2e_repeats, seed=args.seed, dtype=resolve_dtype(args.dtype),
+                             cache_slots=args.cache_slots)
     settings.validate()
     if settings.block_size > draft_block:
         raise UsageError(f"--block-size {settings.block_size} is larger than the draft's block_size {draft_block}")

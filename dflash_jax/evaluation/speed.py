@@ -214,6 +214,7 @@ class SpeedSettings:
     e2e_repeats: int = 1
     seed: int = 0
     dtype: Any = jnp.float32
+    cache_slots: int | None = None  # component timings only: preallocate at least this many cache slots
 
     def validate(self) -> None:
         checks = [
@@ -274,13 +275,15 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
 
     # Caches filled by real prefills, with the slot counts generate() uses for each mode.
     prop = DFlashProposer(dc, block, dtype)
-    slots = cache_slots(s.context, s.new_tokens, block, tc.max_position_embeddings)
+    # cache_slots > what the run needs shows that a round's cost follows the live length, not the slots.
+    extra_slots = s.cache_slots or 0
+    slots = max(cache_slots(s.context, s.new_tokens, block, tc.max_position_embeddings), extra_slots)
     consts, pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), b, slots)
     pre, _ = jitted_functions(tc, prop, settings, slots, dtype)
     state0 = jax.block_until_ready(pre(tp, consts, pstate, tokens, lengths, key))
     ar_prop = NoProposer()
-    ar_pre, _ = jitted_functions(tc, ar_prop, settings,
-                                   cache_slots(s.context, s.new_tokens, 1, tc.max_position_embeddings), dtype)
+    ar_slots = max(cache_slots(s.context, s.new_tokens, 1, tc.max_position_embeddings), extra_slots)
+    ar_pre, _ = jitted_functions(tc, ar_prop, settings, ar_slots, dtype)
     ar_state0 = jax.block_until_ready(ar_pre(tp, *ar_prop.init(), tokens, lengths, key))
     start = state0.start  # [b] = context: the first anchor's position
 

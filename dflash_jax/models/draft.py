@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.layers import (
-    MLP, RMSNorm, apply_rope, attention, rope_inv_freq, to_cache_layout, write_rows,
+    MLP, RMSNorm, apply_rope, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
 )
 
 
@@ -98,13 +98,14 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(h).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))
         return apply_rope(q, positions, rope_inv_freq(cfg.rope, cfg.head_dim))
 
-    def __call__(self, h, block_positions, ctx_keys, ctx_values, ctx_mask, blk_mask):
-        """``ctx_keys/values [B, KV, S, D]`` are already roped; masks are ``[B, T, S]`` and ``[B, T, T]``."""
+    def __call__(self, h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask):
+        """``ctx_keys/values [B, KV, S, D]`` (the context cache, already roped) are read up to ``live`` slots
+        (``layers.cache_attention``); ``ctx_visible(key_positions [C]) -> [B, T, C]``; ``blk_mask [B, T, T]``."""
         b, t, _ = h.shape
         q = self.queries(h, block_positions)
         k_blk, v_blk = self.keys_values(h, block_positions)
         k_blk, v_blk = to_cache_layout(k_blk), to_cache_layout(v_blk)
-        out = attention(q, [(ctx_keys, ctx_values, ctx_mask), (k_blk, v_blk, blk_mask)])
+        out = cache_attention(q, ctx_keys, ctx_values, ctx_visible, live, extra=[(k_blk, v_blk, blk_mask)])
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -128,19 +129,21 @@ class DraftLayer(nn.Module):
         return self.self_attn.keys_values(ctx, positions)
 
     def advance_context(self, ctx: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array,
-                        mask: jax.Array) -> jax.Array:
+                        live: jax.Array | int) -> jax.Array:
         """Input-injection variant only: the context positions' own pass through this layer (causal attention
-        over the context keys/values ``[B, KV, S, D]`` already holding theirs; mask ``[B, T, S]``), giving the
-        next layer's context input."""
+        over the context keys/values ``[B, KV, S, D]``, which already hold theirs, up to ``live`` slots),
+        giving the next layer's context input."""
         b, t, _ = ctx.shape
         q = self.self_attn.queries(self.input_layernorm(ctx), positions)
-        out = attention(q, [(keys, values, mask)])
+        visible = lambda pos: causal_context_mask(positions, jnp.broadcast_to(pos, (b, pos.shape[0])),  # noqa: E731
+                                                   self.window)
+        out = cache_attention(q, keys, values, visible, live)
         ctx = ctx + self.self_attn.o_proj(out.reshape(b, t, -1))
         return ctx + self.mlp(self.post_attention_layernorm(ctx))
 
-    def __call__(self, x, block_positions, ctx_keys, ctx_values, ctx_mask, blk_mask):
+    def __call__(self, x, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask):
         h = self.input_layernorm(x)
-        x = x + self.self_attn(h, block_positions, ctx_keys, ctx_values, ctx_mask, blk_mask)
+        x = x + self.self_attn(h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -202,12 +205,16 @@ class DraftModel(nn.Module):
         cached context slot before its anchor plus the whole block.
         """
         cache = self.write_context(ctx_features, ctx_positions, ctx_valid, cache)
-        key_positions = jnp.broadcast_to(jnp.arange(cache.num_slots)[None], (block_tokens.shape[0], cache.num_slots))
-        key_valid = key_positions < cache.lengths[:, None]
+        b = block_tokens.shape[0]
+        live = jnp.max(cache.lengths)  # context attention stops at the longest row
         x = self.embed_block(block_tokens, shared)
         for i, layer in enumerate(self.layers):
-            ctx_m = context_mask(block_positions, key_positions, key_valid, layer.window)
-            x = layer(x, block_positions, cache.keys[i], cache.values[i], ctx_m, block_mask(block_positions, layer.window))
+            def visible(pos, window=layer.window):
+                keys = jnp.broadcast_to(pos, (b, pos.shape[0]))
+                return context_mask(block_positions, keys, keys < cache.lengths[:, None], window)
+
+            x = layer(x, block_positions, cache.keys[i], cache.values[i], visible, live,
+                      block_mask(block_positions, layer.window))
         if skip_anchor_logits:  # the anchor's prediction is never used at inference: save 1/B of the head
             x = x[:, 1:]
         return DraftOutput(self.logits(x, shared), cache)
@@ -217,7 +224,7 @@ class DraftModel(nn.Module):
         """Fuse raw target features and store every layer's context keys/values at slot = position."""
         ctx = self.fuse(ctx_features)
         slots = write_slots(ctx_positions, ctx_valid, cache.num_slots)
-        key_positions = jnp.broadcast_to(jnp.arange(cache.num_slots)[None], (ctx.shape[0], cache.num_slots))
+        lengths = lengths_after_write(cache.lengths, ctx_positions, ctx_valid)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             k_ctx, v_ctx = layer.context_kv(ctx, ctx_positions)
@@ -226,9 +233,7 @@ class DraftModel(nn.Module):
             if self.config.context_injection == "input" and i + 1 < len(self.layers):
                 # Slots up to a valid position were all committed before or in this write; padding queries
                 # may read stale slots, but their outputs are never written.
-                mask = causal_context_mask(ctx_positions, key_positions, layer.window)
-                ctx = layer.advance_context(ctx, ctx_positions, new_keys[-1], new_values[-1], mask)
-        lengths = lengths_after_write(cache.lengths, ctx_positions, ctx_valid)
+                ctx = layer.advance_context(ctx, ctx_positions, new_keys[-1], new_values[-1], jnp.max(lengths))
         return KVCache(tuple(new_keys), tuple(new_values), lengths)
 
 

@@ -7,7 +7,7 @@ conversion is a path map plus a transpose of linear weights (Flax ``kernel`` is 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -98,6 +98,74 @@ def attention(q: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.A
         out = out + jnp.einsum("bkqs,bksd->bkqd", p, v, preferred_element_type=jnp.float32)
         offset += n
     out = out.reshape(b, hkv, hq // hkv, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    return out.astype(q.dtype)
+
+
+KV_CHUNK = 256  # cache slots per step of the live-length attention loop
+
+
+def cache_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    visible: Callable[[jax.Array], jax.Array],
+    live_slots: jax.Array,
+    extra: Sequence[tuple[jax.Array, jax.Array, jax.Array]] = (),
+    chunk: int = KV_CHUNK,
+) -> jax.Array:
+    """Attention over a preallocated cache whose cost follows the LIVE length, not the number of slots.
+
+    ``q [B, T, Hq, D]``; ``k_cache, v_cache [B, Hkv, S, D]``; ``visible(key_positions [C]) -> [B, T, C]`` says
+    which of a chunk's slots each query sees; slots at or past ``live_slots`` (a traced scalar: the longest
+    row's length) are never visible and never read. The cache is walked in chunks of ``chunk`` slots with an
+    online softmax (running maximum, denominator and weighted sum, all float32) inside a loop whose trip
+    count is ``ceil(live_slots / chunk)``, so a round at 256 live tokens costs the same in a 512-slot and a
+    16k-slot cache, and scores never exceed ``[B, H, T, chunk]``. ``extra`` segments ``(k, v, mask)`` (the
+    draft's transient block) join the same softmax. Equals ``attention`` up to float rounding; fully masked
+    rows yield zeros.
+    """
+    b, t, hq, d = q.shape
+    hkv, slots = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    size = min(chunk, slots)
+    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    neg = jnp.finfo(jnp.float32).min
+
+    def update(carry, k, v, mask):
+        m, l, acc = carry
+        s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
+        mask = jnp.broadcast_to(mask[:, None, None], (b, 1, g) + mask.shape[1:]).reshape(b, 1, g * t, -1)
+        s = jnp.where(mask, s, neg)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        scale = jnp.exp(m - m_new)
+        acc = acc * scale[..., None] + jnp.einsum("bkqs,bksd->bkqd", p.astype(v.dtype), v,
+                                                  preferred_element_type=jnp.float32)
+        return m_new, l * scale + p.sum(-1), acc
+
+    def chunk_step(c, carry):
+        # The last chunk may reach past the cache: its slice is moved back inside and the slots an earlier
+        # chunk already covered are masked out, so no slot counts twice.
+        start = jnp.minimum(c * size, slots - size)
+        k = jax.lax.dynamic_slice_in_dim(k_cache, start, size, axis=2)
+        v = jax.lax.dynamic_slice_in_dim(v_cache, start, size, axis=2)
+        pos = start + jnp.arange(size, dtype=jnp.int32)
+        fresh = (pos >= c * size) & (pos < live_slots)
+        return update(carry, k, v, visible(pos) & fresh[None, None, :])
+
+    carry = (jnp.full((b, hkv, g * t), neg, jnp.float32), jnp.zeros((b, hkv, g * t), jnp.float32),
+             jnp.zeros((b, hkv, g * t, d), jnp.float32))
+    if slots <= size:  # one chunk: no loop (its per-layer overhead shows on tiny models)
+        carry = chunk_step(0, carry)
+    elif isinstance(live_slots, int):  # static (training): a fixed trip count, so the loop is differentiable
+        carry = jax.lax.fori_loop(0, -(-min(live_slots, slots) // size), chunk_step, carry)
+    else:
+        carry = jax.lax.fori_loop(0, (jnp.minimum(live_slots, slots) + size - 1) // size, chunk_step, carry)
+    for k, v, mask in extra:
+        carry = update(carry, k, v, mask)
+    _, l, acc = carry
+    out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
+    out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
     return out.astype(q.dtype)
 
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.layers import (
-    MLP, RMSNorm, apply_rope, attention, rope_inv_freq, to_cache_layout, write_rows,
+    MLP, RMSNorm, apply_rope, attention, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
 )
 
 
@@ -31,7 +31,9 @@ class TargetAttention(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache_kv=None, slots=None):
+    def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None):
+        """``mask``: ``[B, T, T]`` without a cache; with one, ``visible(key_positions) -> [B, T, C]`` and the
+        ``live`` slot count that bounds the attention loop (``layers.cache_attention``)."""
         cfg = self.config
         b, t, _ = x.shape
         dense = lambda n, bias, name: nn.Dense(  # noqa: E731
@@ -53,9 +55,10 @@ class TargetAttention(nn.Module):
             k_all = write_rows(cache_kv[0], k, slots)
             v_all = write_rows(cache_kv[1], v, slots)
             new_kv = (k_all, v_all)
+            out = cache_attention(q, k_all, v_all, mask, live)
         else:
-            k_all, v_all, new_kv = to_cache_layout(k), to_cache_layout(v), None
-        out = attention(q, [(k_all, v_all, mask)])
+            new_kv = None
+            out = attention(q, [(to_cache_layout(k), to_cache_layout(v), mask)])
         out = dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out.reshape(b, t, -1))
         return out, new_kv
 
@@ -65,10 +68,10 @@ class DecoderLayer(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache_kv=None, slots=None):
+    def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None):
         cfg = self.config
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="input_layernorm")(x)
-        attn, new_kv = TargetAttention(cfg, self.dtype, name="self_attn")(h, positions, mask, cache_kv, slots)
+        attn, new_kv = TargetAttention(cfg, self.dtype, name="self_attn")(h, positions, mask, cache_kv, slots, live)
         x = x + attn
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="post_attention_layernorm")(x)
         x = x + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.dtype, name="mlp")(h)
@@ -121,18 +124,21 @@ class TargetModel(nn.Module):
         if valid is None:
             valid = jnp.ones(tokens.shape, bool)
         x = self.embed(tokens)
+        live = None
         if cache is not None:
             slots = write_slots(positions, valid, cache.num_slots)
             new_lengths = lengths_after_write(cache.lengths, positions, valid)
-            key_slot = jnp.arange(cache.num_slots)[None, None, :]
-            mask = (key_slot <= positions[:, :, None]) & (key_slot < new_lengths[:, None, None])
+            live = jnp.max(new_lengths)  # the attention loop stops at the longest row
+
+            def mask(key_slot):
+                return (key_slot[None, None, :] <= positions[:, :, None]) & (key_slot < new_lengths[:, None, None])
         else:
             slots = None
             mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
         features, new_keys, new_values = {}, [], []
         for i, layer in enumerate(self.layers):
             kv = (cache.keys[i], cache.values[i]) if cache is not None else None
-            x, new_kv = layer(x, positions, mask, kv, slots)
+            x, new_kv = layer(x, positions, mask, kv, slots, live)
             if new_kv is not None:
                 new_keys.append(new_kv[0])
                 new_values.append(new_kv[1])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.models.draft import DraftModel, SharedHead, causal_context_mask
+from dflash_jax.models.draft import DraftModel, SharedHead
 from dflash_jax.models.layers import to_cache_layout
 
 
@@ -89,8 +89,7 @@ def _context_kv(module: DraftModel, target_features):
         k_ctx, v_ctx = layer.context_kv(ctx, ctx_pos)
         out.append((to_cache_layout(k_ctx), to_cache_layout(v_ctx)))
         if module.config.context_injection == "input" and i + 1 < len(module.layers):
-            mask = causal_context_mask(ctx_pos, ctx_pos, layer.window)
-            ctx = layer.advance_context(ctx, ctx_pos, *out[-1], mask)
+            ctx = layer.advance_context(ctx, ctx_pos, *out[-1], length)
     return tuple(out)
 
 
