@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 
+from dflash_jax.errors import UserError
 from infer.cli import Parser, UsageError, run_cli
 from train.fit import add_device_args, setup_devices
 
@@ -168,12 +169,12 @@ def _make_mesh(spec, cpu_devices: int | None):
     available = jax.device_count()
     try:
         return sharding.make_mesh(spec)
-    except ValueError as e:
+    except UserError as e:
         wanted = _wanted_devices(spec)
         if wanted and wanted > available and jax.default_backend() == "cpu":
             hint = (f"; pass --cpu-devices {wanted} (--cpu-devices {cpu_devices} simulates only {cpu_devices})"
                     if cpu_devices else f"; to plan it on this CPU, simulate the devices with --cpu-devices {wanted}")
-            raise ValueError(f"{e}{hint}") from None
+            raise UserError(f"{e}{hint}") from None
         raise
 
 

@@ -33,6 +33,7 @@ from dflash_jax.models.config import ConfigError, TargetConfig
 from dflash_jax.models.draft import DraftModel
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.target import TargetModel
+from dflash_jax.errors import UserError
 from dflash_jax.precision import resolve_dtype
 from dflash_jax.training.checkpointing import TrainCheckpoints, abstract_like
 from dflash_jax.training.loss import default_gamma
@@ -209,7 +210,7 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
         longest = max(len(p) for p in eval_prompts[: cfg["output"]["eval_num_prompts"]])
         try:
             prompt_width(longest, cfg["output"]["eval_max_new_tokens"], target_config.max_position_embeddings)
-        except ValueError as e:
+        except UserError as e:
             raise ConfigError(f"data.eval_prompts / output.eval_max_new_tokens: {e}") from None
     devices_per_batch = int(mesh.shape["data"] * mesh.shape["fsdp"])
     if cfg["train"]["global_batch"] % devices_per_batch:
