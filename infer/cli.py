@@ -7,6 +7,7 @@ line and exit code 130."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -70,3 +71,42 @@ def run_cli(parser: argparse.ArgumentParser, action: Callable[[argparse.Namespac
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+# ------------------------------------------------------------------------------ devices (infer and train)
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cpu-devices", type=int, metavar="N",
+                        help="simulate N devices on the CPU (XLA's host platform device count), e.g. to try a mesh")
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="multi-process: address of process 0 (jax.distributed.initialize)")
+    parser.add_argument("--num-processes", type=int, metavar="N", help="multi-process: number of processes")
+    parser.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's index")
+    parser.add_argument("--distributed", action="store_true",
+                        help="call jax.distributed.initialize() with auto-detection (TPU pods, SLURM)")
+
+
+def setup_devices(args: argparse.Namespace) -> None:
+    """Must run before JAX touches a backend. Namespaces without the device flags (the demo) are a no-op."""
+    if not hasattr(args, "cpu_devices"):
+        return
+    if args.cpu_devices:
+        if args.cpu_devices < 1:
+            raise UserError(f"--cpu-devices must be positive, got {args.cpu_devices}")
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    explicit = [args.coordinator, args.num_processes, args.process_id]
+    if any(v is not None for v in explicit):
+        if any(v is None for v in explicit):
+            raise UserError("--coordinator, --num-processes and --process-id go together")
+        if not 0 <= args.process_id < args.num_processes:
+            raise UserError(f"--process-id {args.process_id} must be in 0..{args.num_processes - 1}")
+        import jax
+
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    elif args.distributed:
+        import jax
+
+        jax.distributed.initialize()

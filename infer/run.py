@@ -14,7 +14,7 @@ from dflash_jax.engine.decoder import Decoder, decode_continuation, encode_conve
 from dflash_jax.engine.generate import GenerationResult
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.evaluation.prompts import read_prompt_file
-from infer.cli import Parser, UsageError, run_cli, seed_arg, text_arg
+from infer.cli import Parser, UsageError, add_device_args, run_cli, seed_arg, setup_devices, text_arg
 
 PROG = "python -m infer"
 
@@ -35,6 +35,11 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
                         help="compute and parameter dtype (default float32; use bfloat16 on GPU/TPU)")
     parser.add_argument("--block-size", type=int, metavar="B",
                         help="tokens per round (anchor + B-1 drafts), at most the draft's block_size (default)")
+    parser.add_argument("--mesh", metavar="SPEC",
+                        help="shard the models over devices, e.g. tensor=8 or data=2,tensor=4 (axes data, fsdp, "
+                             "tensor; the training's rules table: attention heads and MLP over tensor, KV caches "
+                             "over KV heads, prompts over data); default: one device")
+    add_device_args(parser)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -88,8 +93,14 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
         from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET
 
         args.target, args.ckpt = str(DEMO_TARGET), str(DEMO_DRAFT)
+    setup_devices(args)
+    mesh = None
+    if getattr(args, "mesh", None):
+        from dflash_jax.sharding import make_mesh
+
+        mesh = make_mesh(args.mesh)
     target_path = Path(args.target)
-    target_config, target_params = load_target_any(target_path, dtype=args.dtype, progress=True)
+    target_config, target_params = load_target_any(target_path, dtype=args.dtype, progress=True, mesh=mesh)
     tok_dir = Path(args.tokenizer) if args.tokenizer else tokenizer_dir(target_path)
     tokenizer = load_tokenizer(tok_dir)
     draft_config = draft_params = None
@@ -100,7 +111,7 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
         raise UsageError("--ckpt (the draft) is required")
     if args.block_size is not None and draft_config is None:
         raise UsageError("--block-size needs a draft (--ckpt)")
-    decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype)
+    decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype, mesh)
     # EOS ids come from the target's own generation config, whichever tokenizer directory is used.
     return decoder, tokenizer, stop_tokens_of(target_config, tokenizer, tokenizer_dir(target_path))
 

@@ -13,46 +13,10 @@ Multi-host: start the same command on every host with --coordinator HOST:PORT --
 from __future__ import annotations
 
 import argparse
-import os
 
-from dflash_jax.errors import UserError
-from infer.cli import Parser, run_cli
+from infer.cli import Parser, add_device_args, run_cli, setup_devices
 
 PROG = "python -m train fit"
-
-
-def add_device_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cpu-devices", type=int, metavar="N",
-                        help="simulate N devices on the CPU (XLA's host platform device count), e.g. to try a mesh")
-    parser.add_argument("--coordinator", metavar="HOST:PORT",
-                        help="multi-process: address of process 0 (jax.distributed.initialize)")
-    parser.add_argument("--num-processes", type=int, metavar="N", help="multi-process: number of processes")
-    parser.add_argument("--process-id", type=int, metavar="I", help="multi-process: this process's index")
-    parser.add_argument("--distributed", action="store_true",
-                        help="call jax.distributed.initialize() with auto-detection (TPU pods, SLURM)")
-
-
-def setup_devices(args: argparse.Namespace) -> None:
-    """Must run before JAX touches a backend."""
-    if args.cpu_devices:
-        if args.cpu_devices < 1:
-            raise UserError(f"--cpu-devices must be positive, got {args.cpu_devices}")
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    explicit = [args.coordinator, args.num_processes, args.process_id]
-    if any(v is not None for v in explicit):
-        if any(v is None for v in explicit):
-            raise UserError("--coordinator, --num-processes and --process-id go together")
-        if not 0 <= args.process_id < args.num_processes:
-            raise UserError(f"--process-id {args.process_id} must be in 0..{args.num_processes - 1}")
-        import jax
-
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    elif args.distributed:
-        import jax
-
-        jax.distributed.initialize()
 
 
 def build_parser() -> argparse.ArgumentParser:

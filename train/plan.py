@@ -20,8 +20,8 @@ import json
 import math
 
 from dflash_jax.errors import UserError
-from infer.cli import Parser, UsageError, run_cli
-from train.fit import add_device_args, setup_devices
+from infer.cli import Parser, UsageError, add_device_args, run_cli, setup_devices
+
 
 PROG = "python -m train plan"
 GIB = 1 << 30

@@ -11,8 +11,8 @@ import argparse
 import json
 
 from dflash_jax.errors import UserError
-from infer.cli import Parser, run_cli
-from train.fit import add_device_args, setup_devices
+from infer.cli import Parser, add_device_args, run_cli, setup_devices
+
 
 PROG = "python -m train speed"
 

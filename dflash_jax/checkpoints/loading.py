@@ -6,8 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
+from dflash_jax import sharding
 from dflash_jax.checkpoints import orbax_io
 from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target
 from dflash_jax.checkpoints.official_draft import abstract_draft_params, load_draft
@@ -78,10 +80,29 @@ def restore_orbax(path: str | Path, kind: str, dtype: Any = None) -> tuple[Targe
     return config, params
 
 
-def load_target_any(path: str | Path, dtype: Any = "float32", progress: bool = False) -> tuple[TargetConfig, dict]:
+def load_target_any(path: str | Path, dtype: Any = "float32", progress: bool = False, mesh: Any = None,
+                    missing: str = "--target") -> tuple[TargetConfig, dict]:
+    """A target from a Hugging Face directory or an Orbax checkpoint. With a ``mesh`` the params land in
+    their rule shardings (``dflash_jax.sharding``): a Hugging Face directory is read tensor by tensor and each
+    device receives only its slice (no full copy per device). ``missing`` names the argument in errors."""
+    path = Path(path)
     if orbax_io.is_orbax_dir(path):
-        return restore_orbax(path, "target", dtype)
-    return load_target(path, dtype=dtype, progress=progress)
+        config, params = restore_orbax(path, "target", dtype)
+        return config, params if mesh is None else jax.device_put(params, sharding.tree_shardings(params, mesh))
+    if mesh is None:
+        return load_target(path, dtype=dtype, progress=progress)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: target checkpoint directory not found ({missing})")
+    config = TargetConfig.from_json(path / "config.json")  # the shardings are needed before the tensors
+    shardings = sharding.tree_shardings(abstract_target_params(config, resolve_dtype(dtype)), mesh)
+
+    def place(param_path: tuple[str, ...], host: np.ndarray) -> jax.Array:
+        s = shardings
+        for k in param_path:
+            s = s[k]
+        return sharding.place(host, s)
+
+    return load_target(path, dtype=dtype, progress=progress, place=place)
 
 
 def load_draft_any(path: str | Path, dtype: Any = "float32", progress: bool = False) -> tuple[DraftConfig, dict]:

@@ -10,6 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 
 from dflash_jax.engine.generate import DecodeSettings, GenerationResult, cache_slots, generate, prompt_width
@@ -30,9 +31,17 @@ class Decoder:
     draft_params: dict | None = None
     block_size: int | None = None  # defaults to the draft's block size
     dtype: Any = jnp.float32
+    mesh: Any = None  # a jax Mesh (dflash_jax.sharding.make_mesh): params placed by the sharding rules table
 
     def __post_init__(self):
         self.dtype = resolve_dtype(self.dtype)
+        if self.mesh is not None:  # params already in their shardings (straight from the loader) stay put
+            from dflash_jax import sharding
+
+            place = lambda tree: jax.device_put(tree, sharding.tree_shardings(tree, self.mesh))  # noqa: E731
+            self.target_params = place(self.target_params)
+            if self.draft_params is not None:
+                self.draft_params = place(self.draft_params)
         if self.draft_config is not None:
             self.draft_config.validate_against(self.target_config)
             if self.block_size is None:
@@ -62,7 +71,7 @@ class Decoder:
         on_tokens: Callable[[list[list[int]]], None] | None = None,
     ) -> GenerationResult:
         self.check_fits([len(p) for p in prompts], max_new_tokens)
-        settings = DecodeSettings(max_new_tokens, sampling, tuple(int(t) for t in stop_tokens))
+        settings = DecodeSettings(max_new_tokens, sampling, tuple(int(t) for t in stop_tokens), mesh=self.mesh)
         if baseline or not self.has_draft:
             return generate(self.target_config, self.target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)

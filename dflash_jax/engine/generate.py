@@ -20,6 +20,7 @@ import numpy as np
 from dflash_jax.engine.sampling import SamplingConfig, accept_greedy, accept_sampling, select
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.cache import KVCache
 from dflash_jax.models.target import TargetModel, init_cache
 from dflash_jax.precision import with_precision_policy
 
@@ -30,6 +31,7 @@ class DecodeSettings:
     sampling: SamplingConfig = SamplingConfig()
     stop_tokens: tuple[int, ...] = ()
     record_drafts: bool = False  # keep every round's proposals (tests recompute acceptance from them)
+    mesh: Any = None  # a jax Mesh: KV caches sharded over batch (data, fsdp) and KV heads (tensor)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -59,6 +61,24 @@ def _is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(stop_tokens, jnp.int32))
 
 
+def _sharded_caches(tree: Any, mesh: Any) -> Any:
+    """Every ``KVCache`` in ``tree`` laid out by the sharding rules (``[batch, kv_heads, slots, head_dim]``:
+    batch over data x fsdp, KV heads over tensor; dimensions a mesh axis does not divide replicate)."""
+    if mesh is None:
+        return tree
+    from dflash_jax import sharding
+
+    def constrain(x):
+        if not isinstance(x, KVCache):
+            return x
+        spec = lambda a: sharding.NamedSharding(  # noqa: E731
+            mesh, sharding.spec_for(a.shape, ("batch", "kv_heads", None, None), mesh))
+        return x.replace(keys=tuple(jax.lax.with_sharding_constraint(k, spec(k)) for k in x.keys),
+                         values=tuple(jax.lax.with_sharding_constraint(v, spec(v)) for v in x.values))
+
+    return jax.tree.map(constrain, tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+
 def prefill(
     target_config: TargetConfig, proposer, settings: DecodeSettings, slots: int,
     target_params: dict, proposer_consts: Any, proposer_state: Any, prompts: jax.Array, lengths: jax.Array,
@@ -71,7 +91,8 @@ def prefill(
     target = TargetModel(target_config, dtype)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
     valid = positions < lengths[:, None]
-    cache = init_cache(target_config, b, slots, dtype)
+    cache = _sharded_caches(init_cache(target_config, b, slots, dtype), settings.mesh)
+    proposer_state = _sharded_caches(proposer_state, settings.mesh)
     out = target.apply({"params": target_params}, prompts, positions, cache, valid,
                        feature_layers=proposer.feature_layers, logits_at=(lengths - 1)[:, None])
     key, k_first = jax.random.split(key)
@@ -192,7 +213,7 @@ class GenerationResult:
 
 
 def _committed(state: LoopState) -> list[list[int]]:
-    out, num = np.asarray(state.out), np.asarray(state.num_out)
+    out, num = to_host(state.out), to_host(state.num_out)
     return [out[i, : num[i]].tolist() for i in range(out.shape[0])]
 
 
@@ -252,6 +273,15 @@ def pad_prompts(target_config: TargetConfig, prompts: Sequence[Sequence[int]], m
     return PaddedBatch(tokens, lengths, cache_slots(longest, max_new_tokens, block_size, max_positions))
 
 
+def _place_batch(batch: PaddedBatch, mesh: Any) -> PaddedBatch:
+    """Prompts split over the batch axes when they divide the batch, else replicated."""
+    from dflash_jax import sharding
+
+    tokens, lengths = (jax.device_put(x, sharding.NamedSharding(mesh, sharding.spec_for(
+        x.shape, ("batch",) + (None,) * (x.ndim - 1), mesh))) for x in (batch.tokens, batch.lengths))
+    return dataclasses.replace(batch, tokens=tokens, lengths=lengths)
+
+
 # The one compile cache of the engine: (prefill, loop) executables by configuration and input shapes.
 # Compiling ahead of time keeps compilation out of the measured prefill/decode times, and the cache makes a
 # second call with the same shapes (the next benchmark sample) free.
@@ -260,8 +290,20 @@ _MAX_EXECUTABLES = 32
 
 
 def _shapes(tree: Any) -> tuple:
+    """Structure, shapes, dtypes and shardings: an executable compiled for one placement of the inputs must
+    not be reused for another."""
     leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x)))) for x in leaves))
+    return (treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
+                           for x in leaves))
+
+
+def to_host(x: Any) -> np.ndarray:
+    """A (possibly multi-process) array as one host NumPy array on every process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def executables(target_config: TargetConfig, target_params: dict, proposer, proposer_inputs: tuple[Any, Any],
@@ -273,7 +315,10 @@ def executables(target_config: TargetConfig, target_params: dict, proposer, prop
     if signature not in _EXECUTABLES:
         pre, loop = jitted_functions(target_config, proposer, settings, batch.slots, dtype)
         pre_c = pre.lower(target_params, consts, pstate, batch.tokens, batch.lengths, key).compile()
-        state_shape = jax.eval_shape(pre, target_params, consts, pstate, batch.tokens, batch.lengths, key)
+        # The loop is compiled for the state exactly as the prefill lays it out (shardings included).
+        state_shape = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                   jax.eval_shape(pre, target_params, consts, pstate, batch.tokens, batch.lengths, key),
+                                   pre_c.output_shardings)
         loop_c = loop.lower(target_params, consts, state_shape, jnp.int32(0)).compile()
         # The first execution of a fresh executable is several times slower on CPU (measured 27 vs 1.4 ms per
         # token); one round of warm-up keeps that out of the timings.
@@ -286,7 +331,7 @@ def executables(target_config: TargetConfig, target_params: dict, proposer, prop
 
 
 def _check_prefill(state: LoopState) -> None:
-    broken = np.flatnonzero(~np.asarray(state.prefill_finite))
+    broken = np.flatnonzero(~to_host(state.prefill_finite))
     if broken.size:  # NaN/Inf logits would decode as garbage (or an empty text) with nothing to say why
         raise UserError(f"the target's logits for prompt {int(broken[0])} are not finite (NaN or Inf) after the "
                         "prefill: the target checkpoint is broken (a NaN/Inf weight, or a dtype that overflows)")
@@ -300,7 +345,7 @@ def _decode(loop_c: Any, target_params: dict, consts: Any, state: LoopState, max
         return jax.block_until_ready(loop_c(target_params, consts, state, jnp.int32(max_new_tokens)))
     on_tokens(_committed(state))
     limit = 0
-    while not bool(np.all(np.asarray(state.done))) and limit < max_new_tokens:
+    while not bool(np.all(to_host(state.done))) and limit < max_new_tokens:
         limit += chunk_rounds
         state = loop_c(target_params, consts, state, jnp.int32(limit))
         on_tokens(_committed(state))
@@ -309,9 +354,9 @@ def _decode(loop_c: Any, target_params: dict, consts: Any, state: LoopState, max
 
 def _result(state: LoopState, settings: DecodeSettings, prefill_s: float, decode_s: float,
             compile_s: float) -> GenerationResult:
-    out, num_out, rounds, accept = (np.asarray(x) for x in (state.out, state.num_out, state.rounds, state.accept))
+    out, num_out, rounds, accept = (to_host(x) for x in (state.out, state.num_out, state.rounds, state.accept))
     rows = range(out.shape[0])
-    drafts = np.asarray(state.drafts) if settings.record_drafts else None
+    drafts = to_host(state.drafts) if settings.record_drafts else None
     return GenerationResult(
         tokens=[out[i, : num_out[i]].tolist() for i in rows],
         accept_lengths=[accept[i, : rounds[i]].tolist() for i in rows],
@@ -337,6 +382,8 @@ def generate(
     have ``batch.slots`` = ``cache_slots`` slots), compile or reuse (``executables``), prefill, decode
     (streamed through ``on_tokens`` in chunks of ``chunk_rounds`` rounds, or in one device call)."""
     batch = pad_prompts(target_config, prompts, settings.max_new_tokens, proposer.block_size)
+    if settings.mesh is not None:
+        batch = _place_batch(batch, settings.mesh)
     key = jax.random.PRNGKey(seed)
     consts, pstate = proposer_inputs
 

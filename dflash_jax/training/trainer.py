@@ -23,8 +23,7 @@ from tqdm.auto import tqdm
 
 from dflash_jax import sharding
 from dflash_jax.checkpoints import orbax_io
-from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target
-from dflash_jax.checkpoints.loading import load_draft_any, load_tokenizer, restore_orbax, tokenizer_dir
+from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer, tokenizer_dir
 from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft
 from dflash_jax.data.pipeline import BatchIterator, make_dataset, steps_per_run
 from dflash_jax.engine.decoder import stop_tokens_of
@@ -49,27 +48,6 @@ def compute_dtype(name: str) -> Any:
     if name == "auto":
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     return resolve_dtype(name)
-
-
-def load_target_sharded(path: str | Path, dtype: Any, mesh) -> tuple[TargetConfig, dict]:
-    """Target params in their rule shardings; a Hugging Face directory is read tensor by tensor and each
-    device receives only its slice (no full copy per device)."""
-    path = Path(path)
-    if orbax_io.is_orbax_dir(path):
-        config, params = restore_orbax(path, "target", dtype)
-        return config, jax.device_put(params, sharding.tree_shardings(params, mesh))
-    if not path.is_dir():
-        raise ConfigError(f"{path}: target checkpoint directory not found (target.path)")
-    config = TargetConfig.from_json(path / "config.json")  # the shardings are needed before the tensors
-    shardings = sharding.tree_shardings(abstract_target_params(config, dtype), mesh)
-
-    def place(param_path: tuple[str, ...], host: np.ndarray) -> jax.Array:
-        s = shardings
-        for k in param_path:
-            s = s[k]
-        return sharding.place(host, s)
-
-    return load_target(path, dtype=dtype, place=place)
 
 
 def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, dict | None]:
@@ -198,7 +176,7 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
     log(f"mesh {dict(mesh.shape)} over {jax.device_count()} {jax.default_backend()} device(s), "
         f"{jax.process_count()} process(es); compute dtype {jnp.dtype(dtype).name}")
 
-    target_config, target_params = load_target_sharded(cfg["target"]["path"], dtype, mesh)
+    target_config, target_params = load_target_any(cfg["target"]["path"], dtype, mesh=mesh, missing="target.path")
     draft_config, init_params = build_draft_config(cfg, target_config)
     tokenizer = load_tokenizer(cfg["target"]["tokenizer"] or tokenizer_dir(cfg["target"]["path"]))
     stop_tokens = stop_tokens_of(target_config, tokenizer, tokenizer_dir(cfg["target"]["path"]))

@@ -1,0 +1,54 @@
+"""Run in a subprocess with 8 fake CPU devices (tests/test_engine_sharded.py): the same prompts through the
+engine on one device and sharded over meshes of 8 devices, for DFlash and the autoregressive baseline,
+greedy and sampling with a fixed seed. Prints one JSON object: tokens and acceptance lengths per run, and the
+shardings the params and caches got."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dflash_jax.engine.decoder import Decoder  # noqa: E402
+from dflash_jax.engine.generate import DecodeSettings, generate  # noqa: E402
+from dflash_jax.engine.proposers import OracleProposer  # noqa: E402
+from dflash_jax.engine.sampling import SamplingConfig  # noqa: E402
+from dflash_jax.sharding import make_mesh  # noqa: E402
+from engine_tiny import tiny_draft, tiny_target  # noqa: E402
+
+tc, tp = tiny_target()
+dc, dp = tiny_draft(block=8)
+rng = np.random.default_rng(0)
+prompts = [rng.integers(0, tc.vocab_size - 1, n).tolist() for n in (5, 13, 9, 21)]
+runs = {}
+specs = {}
+for name, spec in (("one", None), ("tensor2_data4", "data=4,tensor=2"), ("tensor8", "tensor=8"),
+                   ("fsdp2_tensor2_data2", "data=2,fsdp=2,tensor=2")):
+    mesh = make_mesh(spec) if spec else None
+    decoder = Decoder(tc, tp, dc, dp, 8, mesh=mesh)
+    if mesh is not None:
+        specs[name] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(decoder.target_params)})
+    for mode, sampling in (("greedy", SamplingConfig()), ("sample", SamplingConfig(0.8, top_k=20, top_p=0.9))):
+        for baseline in (False, True):
+            r = decoder.generate(prompts, 24, sampling, seed=3, baseline=baseline)
+            runs[f"{name}/{mode}/{'ar' if baseline else 'dflash'}"] = {"tokens": r.tokens,
+                                                                       "accept": r.accept_lengths}
+    # A random draft accepts one token per round; an oracle proposing the greedy continuation with an error
+    # at every 3rd position makes rounds of 1..3 tokens, so acceptance lengths are really compared.
+    if name == "one":
+        greedy = runs["one/greedy/ar"]["tokens"]
+        reference = np.zeros((len(prompts), 64), np.int32)
+        for i, (p, g) in enumerate(zip(prompts, greedy)):
+            reference[i, : len(p) + len(g)] = p + g
+        errors = (np.arange(64)[None] % 3 == 0) & (rng.random((len(prompts), 64)) < 0.7)
+    oracle = OracleProposer(8, tc.vocab_size)
+    r = generate(tc, decoder.target_params, prompts, oracle, oracle.init(reference, errors),
+                 DecodeSettings(24, mesh=mesh))
+    runs[f"{name}/greedy/oracle"] = {"tokens": r.tokens, "accept": r.accept_lengths}
+print(json.dumps({"devices": jax.device_count(), "runs": runs, "param_specs": specs}))
