@@ -218,3 +218,22 @@ def test_precision_policy_float32_matmuls_are_explicitly_highest(setup):
         dots = re.findall(r"stablehlo\.dot_general.*", text)
         assert dots, "no matmul found in the prefill"
         assert all(("HIGHEST" in d) == want for d in dots), (dtype, dots[0])
+
+
+def test_chunked_prefill_gives_the_same_tokens(setup):
+    """A prompt prefilled in chunks (here 4 tokens, so the 16-wide prompts take 4 chunks, and a row's last
+    prompt token falls in different chunks) gives the same tokens and rounds as a one-pass prefill."""
+    import dataclasses
+
+    tc, tp, dc, dp, prompts, settings, ar = setup
+    chunked = dataclasses.replace(settings, prefill_chunk=4)
+    prop = DFlashProposer(dc, BLOCK)
+    slots = 16 + MAX_NEW + BLOCK
+    whole = generate(tc, tp, prompts, prop, prop.init(dp, shared_head(tp, False), len(prompts), slots), settings)
+    parts = generate(tc, tp, prompts, prop, prop.init(dp, shared_head(tp, False), len(prompts), slots), chunked)
+    assert parts.tokens == whole.tokens == ar.tokens
+    assert parts.accept_lengths == whole.accept_lengths
+    # The draft read the prompt's features chunk by chunk: its proposals of every round are unchanged.
+    assert all((a == b).all() for a, b in zip(parts.drafts, whole.drafts))
+    ar_parts = generate(tc, tp, prompts, NoProposer(), NoProposer().init(), chunked)
+    assert ar_parts.tokens == ar.tokens

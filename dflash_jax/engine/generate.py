@@ -21,7 +21,7 @@ from dflash_jax.engine.sampling import SamplingConfig, accept_greedy, accept_sam
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.cache import KVCache
-from dflash_jax.models.target import TargetModel, init_cache
+from dflash_jax.models.target import TargetModel, TargetOutput, init_cache
 from dflash_jax.precision import with_precision_policy
 
 
@@ -32,6 +32,7 @@ class DecodeSettings:
     stop_tokens: tuple[int, ...] = ()
     record_drafts: bool = False  # keep every round's proposals (tests recompute acceptance from them)
     mesh: Any = None  # a jax Mesh: KV caches sharded over batch (data, fsdp) and KV heads (tensor)
+    prefill_chunk: int = 4096  # prompts wider than this prefill chunk by chunk (bounded activation memory)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -89,17 +90,34 @@ def prefill(
     b, p = prompts.shape
     block = proposer.block_size
     target = TargetModel(target_config, dtype)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32)[None], (b, p))
-    valid = positions < lengths[:, None]
     cache = _sharded_caches(init_cache(target_config, b, slots, dtype), settings.mesh)
     proposer_state = _sharded_caches(proposer_state, settings.mesh)
-    out = target.apply({"params": target_params}, prompts, positions, cache, valid,
-                       feature_layers=proposer.feature_layers, logits_at=(lengths - 1)[:, None])
+    # Prompts wider than prefill_chunk go through in chunks (a lax.scan over equal slices: the prompt width
+    # is a power of two): each chunk writes its keys/values and hands its features to the proposer, so
+    # activations are bounded by the chunk while attention sees everything before it.
+    q = p if p <= settings.prefill_chunk or p % settings.prefill_chunk else settings.prefill_chunk
+    last = (lengths - 1)[:, None]
+
+    def chunk(carry, start):
+        cache, proposer_state, logits = carry
+        positions = start + jnp.broadcast_to(jnp.arange(q, dtype=jnp.int32)[None], (b, q))
+        valid = positions < lengths[:, None]
+        tokens = jax.lax.dynamic_slice_in_dim(prompts, start, q, axis=1)
+        out = target.apply({"params": target_params}, tokens, positions, cache, valid,
+                           feature_layers=proposer.feature_layers, logits_at=jnp.clip(last - start, 0, q - 1))
+        if proposer.feature_layers:
+            proposer_state = proposer.ingest(proposer_consts, proposer_state, out.features, positions, valid)
+        here = (last >= start) & (last < start + q)  # the chunk holding a row's last prompt token
+        logits = jnp.where(here[:, :, None], out.logits.astype(jnp.float32), logits)
+        return (out.cache, proposer_state, logits), None
+
+    logits0 = jnp.zeros((b, 1, target_config.vocab_size), jnp.float32)
+    (cache, proposer_state, logits), _ = jax.lax.scan(chunk, (cache, proposer_state, logits0),
+                                                       jnp.arange(0, p, q, dtype=jnp.int32))
+    feat_dim = (len(proposer.feature_layers) * target_config.hidden_size) if proposer.feature_layers else 0
+    out = TargetOutput(logits, None, cache)
     key, k_first = jax.random.split(key)
     first = select(k_first, out.logits[:, 0], settings.sampling)
-    if proposer.feature_layers:
-        proposer_state = proposer.ingest(proposer_consts, proposer_state, out.features, positions, valid)
-    feat_dim = out.features.shape[-1] if out.features is not None else 0
     ctx = (jnp.zeros((b, block, feat_dim), dtype), jnp.zeros((b, block), jnp.int32), jnp.zeros((b, block), bool))
     buf = jnp.zeros((b, settings.max_new_tokens + block), jnp.int32).at[:, 0].set(first)
     done = _is_stop(first, settings.stop_tokens) | (settings.max_new_tokens <= 1)
