@@ -100,7 +100,8 @@ def _type_name(types: tuple[type, ...]) -> str:
 def _check_value(dotted: str, value: Any, types: tuple[type, ...], source: str) -> Any:
     ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
     if not ok:
-        raise ConfigError(f"{source}: {dotted} must be a {_type_name(types)}, got {value!r}")
+        name = _type_name(types)
+        raise ConfigError(f"{source}: {dotted} must be {'an' if name[0] in 'aeiou' else 'a'} {name}, got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{source}: {dotted} must be a finite number, got {value!r}")
     if dotted == "train.seed" and value >= 2**32:
