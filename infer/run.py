@@ -35,11 +35,25 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
                         help="compute and parameter dtype (default float32; use bfloat16 on GPU/TPU)")
     parser.add_argument("--block-size", type=int, metavar="B",
                         help="tokens per round (anchor + B-1 drafts), at most the draft's block_size (default)")
+    parser.add_argument("--adaptive", type=widths_arg, default=(), metavar="W1,W2,...",
+                        help="adaptive block size (beyond the paper; off by default): each round verifies one of "
+                             "these widths or the full block, chosen from the batch's recent acceptance, e.g. 2,4 "
+                             "with a block-8 draft; the output is unchanged")
     parser.add_argument("--mesh", metavar="SPEC",
                         help="shard the models over devices, e.g. tensor=8 or data=2,tensor=4 (axes data, fsdp, "
                              "tensor; the training's rules table: attention heads and MLP over tensor, KV caches "
                              "over KV heads, prompts over data); default: one device")
     add_device_args(parser)
+
+
+def widths_arg(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4, got {text!r}") from None
+    if not widths or widths[0] < 2:
+        raise argparse.ArgumentTypeError(f"widths must be at least 2, got {text!r}")
+    return widths
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -111,7 +125,11 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
         raise UsageError("--ckpt (the draft) is required")
     if args.block_size is not None and draft_config is None:
         raise UsageError("--block-size needs a draft (--ckpt)")
-    decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype, mesh)
+    adaptive = getattr(args, "adaptive", ())
+    if adaptive and draft_config is None:
+        raise UsageError("--adaptive needs a draft (--ckpt)")
+    decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype, mesh,
+                      adaptive)
     # EOS ids come from the target's own generation config, whichever tokenizer directory is used.
     return decoder, tokenizer, stop_tokens_of(target_config, tokenizer, tokenizer_dir(target_path))
 

@@ -70,7 +70,7 @@ def recompute_acceptance(drafts: np.ndarray, tokens: list[int]) -> list[int]:
     return lengths
 
 
-def oracle_run(setup, schedules, stop_tokens=(), max_new=MAX_NEW):
+def oracle_run(setup, schedules, stop_tokens=(), max_new=MAX_NEW, adaptive=()):
     """Plant errors so each row's rounds accept exactly ``schedules[row]`` (acceptance lengths)."""
     tc, tp, dc, dp, prompts, settings, ar = setup
     width = 16 + MAX_NEW + BLOCK
@@ -85,7 +85,8 @@ def oracle_run(setup, schedules, stop_tokens=(), max_new=MAX_NEW):
                 errors[b, start + length] = True
             start += length
     prop = OracleProposer(BLOCK, tc.vocab_size)
-    s = DecodeSettings(max_new_tokens=max_new, stop_tokens=tuple(stop_tokens), record_drafts=True)
+    s = DecodeSettings(max_new_tokens=max_new, stop_tokens=tuple(stop_tokens), record_drafts=True,
+                       adaptive_widths=adaptive)
     return generate(tc, tp, prompts, prop, prop.init(jnp.asarray(reference), jnp.asarray(errors)), s)
 
 
@@ -107,6 +108,21 @@ def test_oracle_every_acceptance_length_is_lossless(setup):
     assert set(range(1, BLOCK + 1)) <= {a for row in out.accept_lengths for a in row}
     for b in range(len(SCHEDULES)):
         assert out.accept_lengths[b] == recompute_acceptance(out.drafts[b], out.tokens[b])
+
+
+def test_adaptive_block_size_is_lossless_and_follows_acceptance(setup):
+    """Adaptive widths (2, 4 and the full 8): the output equals the baseline; after a run of rejected rounds
+    the engine verifies fewer tokens (a round then accepts at most that width even where the proposals
+    would have matched further), and after long rounds it goes back to the full block."""
+    ar = setup[-1]
+    schedule = [1] * 6 + [8] * 6
+    out = oracle_run(setup, [schedule] * 3, adaptive=(2, 4))
+    assert out.tokens == ar.tokens
+    fixed = oracle_run(setup, [schedule] * 3)
+    for row, full in zip(out.accept_lengths, fixed.accept_lengths):
+        assert row[:6] == full[:6] == [1] * 6
+        assert full[6] == 8 and row[6] <= 4, row  # the moving average fell to ~1.8: width 4 verified
+        assert 8 in row[7:], row  # and rose again: back to the full block
 
 
 def test_max_new_tokens_cuts_inside_a_block(setup):

@@ -82,9 +82,9 @@ def models():
     return tc, tp, dc, dp
 
 
-def run(models, cfg: SamplingConfig, seed: int, oracle=False):
+def run(models, cfg: SamplingConfig, seed: int, oracle=False, adaptive=()):
     tc, tp, dc, dp = models
-    settings = DecodeSettings(max_new_tokens=NEW, sampling=cfg)
+    settings = DecodeSettings(max_new_tokens=NEW, sampling=cfg, adaptive_widths=adaptive)
     prompts = [PROMPT] * SAMPLES
     if oracle:  # a deterministic (point-mass) proposal that is always the token 0
         prop = OracleProposer(BLOCK, VOCAB)
@@ -106,6 +106,14 @@ def test_dflash_sampling_matches_target_distribution(models, cfg):
     assert p > 1e-3
     # The draft is poor but not useless: some drafts are accepted, so acceptance is exercised.
     assert max(a for row in out.accept_lengths for a in row) >= 2
+
+
+def test_adaptive_block_size_sampling_matches_target_distribution(models):
+    """Verifying a shorter prefix of the block (adaptive widths) keeps rejection sampling exact."""
+    tc, tp, _, _ = models
+    cfg = SamplingConfig(1.0)
+    samples, out = run(models, cfg, seed=14, adaptive=(2, 4))
+    assert chi_square_p(samples, exact_distribution(tc, tp, cfg)) > 1e-3
 
 
 def test_point_mass_proposal_sampling_is_lossless(models):

@@ -33,10 +33,16 @@ class DecodeSettings:
     record_drafts: bool = False  # keep every round's proposals (tests recompute acceptance from them)
     mesh: Any = None  # a jax Mesh: KV caches sharded over batch (data, fsdp) and KV heads (tensor)
     prefill_chunk: int = 4096  # prompts wider than this prefill chunk by chunk (bounded activation memory)
+    # Adaptive block size (beyond the paper; off when empty): the tokens verified per round, chosen every
+    # round among these widths (each <= the block size) from the batch's recent acceptance. The draft still
+    # proposes a whole block; only the verified prefix shrinks, so the output stays lossless.
+    adaptive_widths: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(w < 2 for w in self.adaptive_widths) or list(self.adaptive_widths) != sorted(set(self.adaptive_widths)):
+            raise UserError(f"adaptive_widths must be increasing widths of at least 2, got {self.adaptive_widths}")
 
 
 class LoopState(NamedTuple):
@@ -54,6 +60,7 @@ class LoopState(NamedTuple):
     drafts: jax.Array  # [B, max_new, K] proposals per round (or [B, 1, K] when not recorded)
     step: jax.Array  # scalar round counter
     prefill_finite: jax.Array  # [B] the prefill's logits were all finite (checked once, on the host)
+    recent_accept: jax.Array  # scalar: moving average of the batch's acceptance length (adaptive widths)
 
 
 def _is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
@@ -128,6 +135,7 @@ def prefill(
         accept=jnp.zeros((b, settings.max_new_tokens), jnp.int32),
         drafts=jnp.zeros((b, rec, block - 1), jnp.int32), step=jnp.zeros((), jnp.int32),
         prefill_finite=jnp.all(jnp.isfinite(out.logits[:, 0]), axis=-1),
+        recent_accept=jnp.asarray(block, jnp.float32),  # start optimistic: the full block
     )
 
 
@@ -141,17 +149,36 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
                                                    settings.sampling)
     tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)
     positions = s.start[:, None] + jnp.arange(block, dtype=jnp.int32)[None]
-    verify = TargetModel(target_config, dtype).apply(
-        {"params": target_params}, tokens, positions, s.cache, jnp.broadcast_to(active[:, None], tokens.shape),
-        feature_layers=proposer.feature_layers,
-    )
-    if settings.sampling.greedy:
-        acc = accept_greedy(drafts, verify.logits)
+
+    def verify_width(width: int):
+        """Verify the anchor and the first ``width - 1`` drafts; features padded back to the block."""
+        verify = TargetModel(target_config, dtype).apply(
+            {"params": target_params}, tokens[:, :width], positions[:, :width], s.cache,
+            jnp.broadcast_to(active[:, None], (b, width)), feature_layers=proposer.feature_layers,
+        )
+        d = drafts[:, : width - 1]
+        if settings.sampling.greedy:
+            acc = accept_greedy(d, verify.logits)
+        else:
+            probs = draft_probs[:, : width - 1] if draft_probs is not None else None
+            if probs is None:  # a deterministic proposal: q is a point mass
+                probs = jax.nn.one_hot(d, verify.logits.shape[-1], dtype=jnp.float32)
+            acc = accept_sampling(k_accept, d, probs, verify.logits, settings.sampling)
+        features = verify.features
+        if features is not None and width < block:
+            features = jnp.pad(features, ((0, 0), (0, block - width), (0, 0)))
+        return acc.num_accepted, acc.next_token, verify.cache, features
+
+    widths = tuple(w for w in settings.adaptive_widths if w < block) + (block,)
+    if len(widths) == 1:
+        a, nxt, verified_cache, verified_features = verify_width(block)
     else:
-        if draft_probs is None:  # a deterministic proposal: q is a point mass
-            draft_probs = jax.nn.one_hot(drafts, verify.logits.shape[-1], dtype=jnp.float32)
-        acc = accept_sampling(k_accept, drafts, draft_probs, verify.logits, settings.sampling)
-    a, nxt = acc.num_accepted, acc.next_token
+        # The smallest width that covers about twice the recent acceptance length: long enough not to cut
+        # a good run short, short enough not to verify tokens that will be rejected.
+        wanted = jnp.ceil(2.0 * s.recent_accept)
+        choice = jnp.minimum(jnp.sum(jnp.asarray(widths[:-1], jnp.float32) < wanted), len(widths) - 1)
+        a, nxt, verified_cache, verified_features = jax.lax.switch(
+            choice, [functools.partial(verify_width, w) for w in widths])
     idx = jnp.arange(block, dtype=jnp.int32)[None]
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     new_tokens = jnp.where(idx < a[:, None], padded, nxt[:, None])
@@ -167,8 +194,8 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
     num_out = s.num_out + count
 
     # Rollback: keep the anchor and the accepted drafts; the next token is the next anchor, not yet cached.
-    cache = verify.cache.with_lengths(jnp.where(active, s.start + a + 1, s.cache.lengths))
-    features = verify.features if verify.features is not None else s.ctx[0]
+    cache = verified_cache.with_lengths(jnp.where(active, s.start + a + 1, s.cache.lengths))
+    features = verified_features if verified_features is not None else s.ctx[0]
     ctx = (features, positions, (idx <= a[:, None]) & active[:, None])
 
     accept = s.accept.at[jnp.arange(b), s.rounds].set(jnp.where(active, a + 1, 0), mode="drop")
@@ -181,6 +208,8 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
         out=out, num_out=num_out, done=s.done | hit_stop | (num_out >= settings.max_new_tokens),
         rounds=s.rounds + active.astype(jnp.int32), accept=accept, drafts=drafts_log, step=s.step + 1,
         prefill_finite=s.prefill_finite,
+        recent_accept=jnp.where(active.any(), 0.7 * s.recent_accept + 0.3 * jnp.sum(jnp.where(active, a + 1, 0))
+                                / jnp.maximum(jnp.sum(active), 1), s.recent_accept),
     )
 
 
