@@ -147,7 +147,12 @@ def replace_directory(tmp: str | Path, dst: str | Path) -> None:
         if dst.exists() or dst.is_symlink():
             aside = dst.parent / f".{dst.name}{_OLD_TAG}{os.getpid()}-{int(time.time() * 1000)}"
             os.replace(dst, aside)
-        os.replace(tmp, dst)
+        try:
+            os.replace(tmp, dst)
+        except OSError:
+            if aside is not None:  # the new output could not go in: the old one goes back
+                os.replace(aside, dst)
+            raise
         _fsync_dir(dst.parent)
     if aside is not None:
         if aside.is_dir() and not aside.is_symlink():

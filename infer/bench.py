@@ -103,7 +103,8 @@ def bench_main(args: argparse.Namespace) -> int:
     journal = Journal(out_dir, {
         "target": args.target, "draft": args.ckpt, "tokenizer": args.tokenizer, "dtype": args.dtype,
         "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature,
-        "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": args.seed, "chat_template": args.chat_template})
+        "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": args.seed, "chat_template": args.chat_template,
+        "adaptive": list(args.adaptive), "mesh": args.mesh})
     resumed = sum(journal.finished(k, i, s) is not None for k, v in datasets.items() for i, s in enumerate(v))
     if resumed:
         print(f"bench: resuming, {resumed} finished sample(s) read from {journal.path} (delete it to measure "
@@ -119,7 +120,8 @@ def bench_main(args: argparse.Namespace) -> int:
     meta = {"target": str(args.target), "draft": str(args.ckpt), "tokenizer": args.tokenizer,
             "dtype": args.dtype, "prompts_dir": str(prompts_dir), "datasets": names,
             "max_samples": args.max_samples, "block_size": decoder.block_size,
-            "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature}
+            "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature,
+            "adaptive_widths": list(args.adaptive), "mesh": args.mesh}
     paths = write_report(results, out_dir, meta)
     print(markdown_table(results))
     print()

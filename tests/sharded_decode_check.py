@@ -36,7 +36,10 @@ for name, spec in (("one", None), ("tensor2_data4", "data=4,tensor=2"), ("tensor
         specs[name] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(decoder.target_params)})
     for mode, sampling in (("greedy", SamplingConfig()), ("sample", SamplingConfig(0.8, top_k=20, top_p=0.9))):
         for baseline in (False, True):
-            r = decoder.generate(prompts, 24, sampling, seed=3, baseline=baseline)
+            shown = []  # streaming: the loop is re-entered with its own (sharded) output state
+            r = decoder.generate(prompts, 24, sampling, seed=3, baseline=baseline,
+                                 on_tokens=shown.append if mode == "greedy" else None)
+            assert mode != "greedy" or shown[-1] == r.tokens
             runs[f"{name}/{mode}/{'ar' if baseline else 'dflash'}"] = {"tokens": r.tokens,
                                                                        "accept": r.accept_lengths}
     # A random draft accepts one token per round; an oracle proposing the greedy continuation with an error

@@ -224,7 +224,7 @@ def test_validate_against_errors_name_field_and_both_values(draft_overrides, tar
     ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None},
      r"sliding_attention layers need a positive sliding_window, got None"),
     ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 0},
-     r"field 'sliding_window' must be between 1 and 2147483647, got 0"),
+     r"sliding_attention layers need a positive sliding_window, got 0"),
     ({"block_size": 1}, r"field 'block_size' must be between 2 and 1024, got 1"),
     ({"hidden_size": None}, r"missing required field 'hidden_size'"),
     ({"num_target_layers": None}, r"missing required field 'num_target_layers'"),

@@ -17,7 +17,7 @@ from dflash_jax.engine.generate import DecodeSettings, GenerationResult, cache_s
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
-from dflash_jax.models.config import TargetConfig, read_json_object
+from dflash_jax.models.config import TargetConfig, read_json_object, token_ids_field
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.precision import resolve_dtype
@@ -92,8 +92,9 @@ def stop_tokens_of(target_config: TargetConfig, tokenizer: Any = None, target_di
     """EOS ids from the model config, ``generation_config.json`` and the tokenizer."""
     ids = set(target_config.eos_token_ids)
     if target_dir is not None and (target_dir / "generation_config.json").is_file():
-        eos = read_json_object(target_dir / "generation_config.json", "generation config").get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        path = target_dir / "generation_config.json"
+        ids.update(token_ids_field(read_json_object(path, "generation config"), "eos_token_id", str(path),
+                                   target_config.vocab_size))
     if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
         ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)

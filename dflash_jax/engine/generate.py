@@ -41,6 +41,8 @@ class DecodeSettings:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.prefill_chunk < 1:
+            raise UserError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if any(w < 2 for w in self.adaptive_widths) or list(self.adaptive_widths) != sorted(set(self.adaptive_widths)):
             raise UserError(f"adaptive_widths must be increasing widths of at least 2, got {self.adaptive_widths}")
 
@@ -102,7 +104,10 @@ def prefill(
     # Prompts wider than prefill_chunk go through in chunks (a lax.scan over equal slices: the prompt width
     # is a power of two): each chunk writes its keys/values and hands its features to the proposer, so
     # activations are bounded by the chunk while attention sees everything before it.
-    q = p if p <= settings.prefill_chunk or p % settings.prefill_chunk else settings.prefill_chunk
+    q = min(p, settings.prefill_chunk)
+    if p % q:  # a width shrunk to fit max_positions: pad to whole chunks (padding is never written)
+        prompts = jnp.pad(prompts, ((0, 0), (0, q - p % q)))
+        p = prompts.shape[1]
     last = (lengths - 1)[:, None]
 
     def chunk(carry, start):
@@ -227,14 +232,18 @@ def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings,
     return jax.lax.while_loop(cond, body, state)
 
 
-def jitted_functions(target_config: TargetConfig, proposer, settings: DecodeSettings, slots: int, dtype):
+def jitted_functions(target_config: TargetConfig, proposer, settings: DecodeSettings, slots: int, dtype,
+                     state_shardings: Any = None):
     """Jitted prefill and decode loop for one configuration (not yet compiled: ``generate`` compiles them
     ahead of time into its executable cache)."""
     pre = jax.jit(with_precision_policy(
         functools.partial(prefill, target_config, proposer, settings, slots, dtype=dtype), dtype))
     # Only the loop state (caches, buffers) is donated: params and proposer constants belong to the caller.
+    # ``state_shardings`` (the prefill's output layout) pins the loop's output to its input layout, so a
+    # streamed decode can feed the loop its own output.
     loop = jax.jit(with_precision_policy(
-        functools.partial(decode_loop, target_config, proposer, settings, dtype=dtype), dtype), donate_argnums=(2,))
+        functools.partial(decode_loop, target_config, proposer, settings, dtype=dtype), dtype), donate_argnums=(2,),
+        out_shardings=state_shardings)
     return pre, loop
 
 
@@ -360,8 +369,9 @@ def executables(target_config: TargetConfig, target_params: dict, proposer, prop
     signature = (target_config, proposer, settings, batch.slots, dtype, _shapes(target_params),
                  _shapes(proposer_inputs), batch.tokens.shape)
     if signature not in _EXECUTABLES:
-        pre, loop = jitted_functions(target_config, proposer, settings, batch.slots, dtype)
+        pre, _ = jitted_functions(target_config, proposer, settings, batch.slots, dtype)
         pre_c = pre.lower(target_params, consts, pstate, batch.tokens, batch.lengths, key).compile()
+        _, loop = jitted_functions(target_config, proposer, settings, batch.slots, dtype, pre_c.output_shardings)
         # The loop is compiled for the state exactly as the prefill lays it out (shardings included).
         state_shape = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                                    jax.eval_shape(pre, target_params, consts, pstate, batch.tokens, batch.lengths, key),

@@ -99,7 +99,7 @@ class Journal:
                 stored = json.loads(lines[0]) if lines else None
             except json.JSONDecodeError:
                 stored = None
-            if not isinstance(stored, dict) or "settings" not in stored:
+            if not isinstance(stored, dict) or not isinstance(stored.get("settings"), dict):
                 raise UserError(f"{self.path}: not a bench journal of this project; pass another --out or delete it")
             changed = sorted(k for k in set(stored["settings"]) | set(settings)
                              if stored["settings"].get(k) != settings.get(k))
@@ -112,9 +112,11 @@ class Journal:
             for line in lines[1:]:
                 try:
                     record = json.loads(line)
+                    if not isinstance(record.get("rows"), list):
+                        raise TypeError("no rows")
                     self.done[(record["dataset"], record["sample"])] = record
                     kept.append(line)
-                except (json.JSONDecodeError, KeyError, TypeError):
+                except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
                     break  # the line a kill cut short, and anything after it, is redone
             write_text_atomic(self.path, "".join(line + "\n" for line in kept))
         else:

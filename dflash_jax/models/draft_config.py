@@ -95,7 +95,7 @@ class DraftConfig:
         mask_id = int_field(merged, "mask_token_id", source, minimum=0)  # validate_against: inside the target's table
         block = int_field(merged, "block_size", source, minimum=2, maximum=MAX_BLOCK_SIZE)
         use_window = bool_field(cfg, "use_sliding_window", source, True)
-        window = int_field(cfg, "sliding_window", source, None)
+        window = int_field(cfg, "sliding_window", source, None, minimum=0) or None  # 0: no window
         if not use_window:  # transformers then drops the window everywhere
             window = None
         if cfg.get("layer_types") is not None:
@@ -118,7 +118,8 @@ class DraftConfig:
         if not use_window:
             layer_types = ("full_attention",) * layers
         if "sliding_attention" in layer_types and window is None:
-            raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window, got None")
+            raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window, got "
+                              f"{cfg.get('sliding_window')!r}")
         cap = float_field(merged, "final_logit_softcapping", source, None)
         if cap is not None and cap < 0:
             raise ConfigError(f"{source}: field 'final_logit_softcapping' must be positive (or 0/null for none), "
