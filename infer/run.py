@@ -37,8 +37,9 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
                         help="tokens per round (anchor + B-1 drafts), at most the draft's block_size (default)")
     parser.add_argument("--adaptive", type=widths_arg, default=(), metavar="W1,W2,...",
                         help="adaptive block size (beyond the paper; off by default): each round verifies one of "
-                             "these widths or the full block, chosen from the batch's recent acceptance, e.g. 2,4 "
-                             "with a block-8 draft; the output is unchanged")
+                             "these widths or the full block, chosen from the batch's recent acceptance, e.g. 1,2,4 "
+                             "with a block-8 draft (1: a plain autoregressive round, no draft, while drafts are "
+                             "rarely accepted); the output is unchanged")
     parser.add_argument("--mesh", metavar="SPEC",
                         help="shard the models over devices, e.g. tensor=8 or data=2,tensor=4 (axes data, fsdp, "
                              "tensor; the training's rules table: attention heads and MLP over tensor, KV caches "
@@ -51,8 +52,8 @@ def widths_arg(text: str) -> tuple[int, ...]:
         widths = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4, got {text!r}") from None
-    if not widths or widths[0] < 2:
-        raise argparse.ArgumentTypeError(f"widths must be at least 2, got {text!r}")
+    if not widths or widths[0] < 1:
+        raise argparse.ArgumentTypeError(f"widths must be positive, got {text!r}")
     return widths
 
 

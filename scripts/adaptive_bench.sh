@@ -8,8 +8,8 @@ T=dflash_jax/assets/stories260k/target
 COMMON=(--target "$T" --prompt-file data/stories260k/heldout.jsonl --datasets gsm8k --max-samples 48
         --max-new-tokens 128 --no-chat-template)
 python -m infer bench "${COMMON[@]}" --ckpt dflash_jax/assets/stories260k/draft-b8 --out "$OUT/b8-fixed"
-python -m infer bench "${COMMON[@]}" --ckpt dflash_jax/assets/stories260k/draft-b8 --adaptive 2,4 --out "$OUT/b8-adaptive"
+python -m infer bench "${COMMON[@]}" --ckpt dflash_jax/assets/stories260k/draft-b8 --adaptive 1,2,4 --out "$OUT/b8-adaptive"
 if [ -d runs/stories260k-b16/export/draft ]; then
   python -m infer bench "${COMMON[@]}" --ckpt runs/stories260k-b16/export/draft --out "$OUT/b16-fixed"
-  python -m infer bench "${COMMON[@]}" --ckpt runs/stories260k-b16/export/draft --adaptive 4,8 --out "$OUT/b16-adaptive"
+  python -m infer bench "${COMMON[@]}" --ckpt runs/stories260k-b16/export/draft --adaptive 1,4,8 --out "$OUT/b16-adaptive"
 fi

@@ -125,6 +125,21 @@ def test_adaptive_block_size_is_lossless_and_follows_acceptance(setup):
         assert 8 in row[7:], row  # and rose again: back to the full block
 
 
+def test_adaptive_autoregressive_rounds_are_lossless_and_probe_again(setup):
+    """With width 1 allowed, a run of rejected rounds switches to plain autoregressive steps (acceptance 1,
+    no draft forward: the recorded proposals are zeros), a probe round drafts again every 8 rounds, and the
+    output still equals the baseline."""
+    ar = setup[-1]
+    out = oracle_run(setup, [[1] * 12 + [8] * 8] * 3, adaptive=(1, 2, 4))
+    assert out.tokens == ar.tokens
+    for b in range(3):
+        drafted = [bool(d.any()) for d in out.drafts[b]]
+        assert drafted[:8] == [True] * 8, drafted  # the moving average needs ~8 rejections to fall below 1.5
+        first_plain = drafted.index(False)
+        assert all(out.accept_lengths[b][r] == 1 for r, d in enumerate(drafted) if not d)
+        assert True in drafted[first_plain:], drafted  # a probe round drafts again
+
+
 def test_max_new_tokens_cuts_inside_a_block(setup):
     ar = setup[-1]
     # Row 0 commits 1 + (1+2+3+4) = 11 tokens after 4 rounds; round 5 would accept 5: cut it at 13.

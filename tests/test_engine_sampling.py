@@ -112,7 +112,7 @@ def test_adaptive_block_size_sampling_matches_target_distribution(models):
     """Verifying a shorter prefix of the block (adaptive widths) keeps rejection sampling exact."""
     tc, tp, _, _ = models
     cfg = SamplingConfig(1.0)
-    samples, out = run(models, cfg, seed=14, adaptive=(2, 4))
+    samples, out = run(models, cfg, seed=14, adaptive=(1, 2, 4))
     assert chi_square_p(samples, exact_distribution(tc, tp, cfg)) > 1e-3
 
 

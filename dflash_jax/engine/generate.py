@@ -35,7 +35,8 @@ class DecodeSettings:
     prefill_chunk: int = 4096  # prompts wider than this prefill chunk by chunk (bounded activation memory)
     # Adaptive block size (beyond the paper; off when empty): the tokens verified per round, chosen every
     # round among these widths (each <= the block size) from the batch's recent acceptance. The draft still
-    # proposes a whole block; only the verified prefix shrinks, so the output stays lossless.
+    # proposes a whole block; only the verified prefix shrinks, so the output stays lossless. Width 1 is a
+    # plain autoregressive round (no draft forward), taken while drafts are nearly never accepted.
     adaptive_widths: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -43,8 +44,8 @@ class DecodeSettings:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.prefill_chunk < 1:
             raise UserError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-        if any(w < 2 for w in self.adaptive_widths) or list(self.adaptive_widths) != sorted(set(self.adaptive_widths)):
-            raise UserError(f"adaptive_widths must be increasing widths of at least 2, got {self.adaptive_widths}")
+        if any(w < 1 for w in self.adaptive_widths) or list(self.adaptive_widths) != sorted(set(self.adaptive_widths)):
+            raise UserError(f"adaptive_widths must be increasing positive widths, got {self.adaptive_widths}")
 
 
 class LoopState(NamedTuple):
@@ -63,6 +64,13 @@ class LoopState(NamedTuple):
     step: jax.Array  # scalar round counter
     prefill_finite: jax.Array  # [B] the prefill's logits were all finite (checked once, on the host)
     recent_accept: jax.Array  # scalar: moving average of the batch's acceptance length (adaptive widths)
+
+
+# Adaptive widths with 1 among them: plain autoregressive rounds while the moving-average acceptance length
+# stays below 1 + AR_BELOW (drafts accepted less than every other round), with a drafting probe round every
+# PROBE_EVERY rounds.
+AR_BELOW = 0.5
+PROBE_EVERY = 8
 
 
 def _is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
@@ -150,15 +158,24 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
     b = s.anchor.shape[0]
     active = ~s.done
     key, k_draft, k_accept = jax.random.split(s.key, 3)
-    drafts, draft_probs, pstate = proposer.propose(proposer_consts, s.proposer, s.ctx, s.anchor, s.start, k_draft,
-                                                   settings.sampling)
-    tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)
     positions = s.start[:, None] + jnp.arange(block, dtype=jnp.int32)[None]
 
-    def verify_width(width: int):
-        """Verify the anchor and the first ``width - 1`` drafts; features padded back to the block."""
+    def propose():
+        return proposer.propose(proposer_consts, s.proposer, s.ctx, s.anchor, s.start, k_draft, settings.sampling)
+
+    def round_width(width: int):
+        """Draft (unless width 1), verify the anchor and the first ``width - 1`` drafts, accept. Width 1 is an
+        autoregressive step: the draft only files last round's features into its context cache."""
+        if width == 1:
+            shapes = jax.eval_shape(propose)
+            drafts = jnp.zeros(shapes[0].shape, jnp.int32)
+            draft_probs = None if shapes[1] is None else jnp.zeros(shapes[1].shape, shapes[1].dtype)
+            pstate = proposer.ingest(proposer_consts, s.proposer, *s.ctx)
+        else:
+            drafts, draft_probs, pstate = propose()
+        tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)[:, :width]
         verify = TargetModel(target_config, dtype).apply(
-            {"params": target_params}, tokens[:, :width], positions[:, :width], s.cache,
+            {"params": target_params}, tokens, positions[:, :width], s.cache,
             jnp.broadcast_to(active[:, None], (b, width)), feature_layers=proposer.feature_layers,
         )
         d = drafts[:, : width - 1]
@@ -172,18 +189,24 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
         features = verify.features
         if features is not None and width < block:
             features = jnp.pad(features, ((0, 0), (0, block - width), (0, 0)))
-        return acc.num_accepted, acc.next_token, verify.cache, features
+        return acc.num_accepted, acc.next_token, verify.cache, features, drafts, pstate
 
     widths = tuple(w for w in settings.adaptive_widths if w < block) + (block,)
     if len(widths) == 1:
-        a, nxt, verified_cache, verified_features = verify_width(block)
+        a, nxt, verified_cache, verified_features, drafts, pstate = round_width(block)
     else:
-        # The smallest width that covers about twice the recent acceptance length: long enough not to cut
-        # a good run short, short enough not to verify tokens that will be rejected.
+        # The smallest drafting width that covers about twice the recent acceptance length: long enough not
+        # to cut a good run short, short enough not to verify tokens that will be rejected.
+        drafting = widths[1:] if widths[0] == 1 else widths
         wanted = jnp.ceil(2.0 * s.recent_accept)
-        choice = jnp.minimum(jnp.sum(jnp.asarray(widths[:-1], jnp.float32) < wanted), len(widths) - 1)
-        a, nxt, verified_cache, verified_features = jax.lax.switch(
-            choice, [functools.partial(verify_width, w) for w in widths])
+        choice = jnp.minimum(jnp.sum(jnp.asarray(drafting[:-1], jnp.float32) < wanted), len(drafting) - 1)
+        if widths[0] == 1:
+            # Width 1 (no draft) when drafts have been nearly useless; every PROBE_EVERY-th round drafts
+            # anyway, so that the moving average can rise again when the text turns predictable.
+            plain = (s.recent_accept < 1.0 + AR_BELOW) & (s.step % PROBE_EVERY != PROBE_EVERY - 1)
+            choice = jnp.where(plain, 0, choice + 1)
+        a, nxt, verified_cache, verified_features, drafts, pstate = jax.lax.switch(
+            choice, [functools.partial(round_width, w) for w in widths])
     idx = jnp.arange(block, dtype=jnp.int32)[None]
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     new_tokens = jnp.where(idx < a[:, None], padded, nxt[:, None])
