@@ -168,7 +168,7 @@ class Run:
 
 
 def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = None,
-                log: Callable[[str], None] = print) -> Run:
+                log: Callable[[str], None] = print, progress: bool = True) -> Run:
     """Mesh, target (loaded into its shardings), draft config and starting params, tokenized data, held-out
     prompts, step settings, optimizer and the resume fingerprint of the run ``cfg``."""
     mesh = sharding.make_mesh(cfg["mesh"])
@@ -181,7 +181,7 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
     tokenizer = load_tokenizer(cfg["target"]["tokenizer"] or tokenizer_dir(cfg["target"]["path"]))
     stop_tokens = stop_tokens_of(target_config, tokenizer, tokenizer_dir(cfg["target"]["path"]))
     if tokenized is None:
-        tokenized = read_training_data(cfg, tokenizer, log)
+        tokenized = read_training_data(cfg, tokenizer, log, progress)
     if eval_prompts is None and cfg["data"]["eval_prompts"]:
         eval_prompts = read_eval_prompts(cfg, tokenizer)
     if eval_prompts:  # fail now, not after hours of training
@@ -240,7 +240,7 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
     ``tokenized`` (a ``TokenizedData``) skips reading and tokenizing ``data.train``; ``eval_prompts`` are the
     held-out prompts as token ids (otherwise read from ``data.eval_prompts``).
     """
-    run = prepare_run(cfg, tokenized=tokenized, eval_prompts=eval_prompts, log=log)
+    run = prepare_run(cfg, tokenized=tokenized, eval_prompts=eval_prompts, log=log, progress=progress)
     out_dir = Path(cfg["output"]["dir"])
     mesh, target_params, draft_config = run.mesh, run.target_params, run.draft_config
     eval_prompts, total_steps, fingerprint = run.eval_prompts, run.total_steps, run.fingerprint
@@ -372,7 +372,7 @@ def export_draft(directory: Path, config: DraftConfig, params: Any, dtype: str |
     return directory
 
 
-def read_training_data(cfg: dict, tokenizer: Any, log: Callable[[str], None]):
+def read_training_data(cfg: dict, tokenizer: Any, log: Callable[[str], None], progress: bool = True):
     """Read every ``data.train`` file, report skipped rows, tokenize with loss masks."""
     from dflash_jax.data.formats import read_examples
     from dflash_jax.data.tokenize import tokenize_examples
@@ -385,7 +385,7 @@ def read_training_data(cfg: dict, tokenizer: Any, log: Callable[[str], None]):
         examples += rows
         log(f"{f}: {len(rows)} rows" + (f", {stats.skipped} malformed rows skipped" if stats.skipped else ""))
     data = tokenize_examples(tokenizer, examples, cfg["data"]["max_length"], cfg["data"]["use_chat_template"],
-                             progress=True, enable_thinking=cfg["data"]["enable_thinking"], source=f"data.train ({', '.join(str(f) for f in files)})")
+                             progress=progress, enable_thinking=cfg["data"]["enable_thinking"], source=f"data.train ({', '.join(str(f) for f in files)})")
     log(f"tokenized {len(data.lengths)} rows ({int(data.loss_mask.sum())} trained tokens); "
         f"{data.num_truncated} truncated at {cfg['data']['max_length']} tokens, "
         f"{data.num_without_targets} without trainable tokens dropped")
