@@ -236,8 +236,9 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
         out=out, num_out=num_out, done=s.done | hit_stop | (num_out >= settings.max_new_tokens),
         rounds=s.rounds + active.astype(jnp.int32), accept=accept, drafts=drafts_log, step=s.step + 1,
         prefill_finite=s.prefill_finite,
-        recent_accept=jnp.where(active.any(), 0.7 * s.recent_accept + 0.3 * jnp.sum(jnp.where(active, a + 1, 0))
-                                / jnp.maximum(jnp.sum(active), 1), s.recent_accept),
+        recent_accept=s.recent_accept if len(widths) == 1 else jnp.where(
+            active.any(), 0.7 * s.recent_accept + 0.3 * jnp.sum(jnp.where(active, a + 1, 0))
+            / jnp.maximum(jnp.sum(active), 1), s.recent_accept),
     )
 
 
