@@ -70,10 +70,10 @@ def recompute_acceptance(drafts: np.ndarray, tokens: list[int]) -> list[int]:
     return lengths
 
 
-def oracle_run(setup, schedules, stop_tokens=(), max_new=MAX_NEW, adaptive=()):
+def oracle_run(setup, schedules, stop_tokens=(), max_new=MAX_NEW, adaptive=(), costs=()):
     """Plant errors so each row's rounds accept exactly ``schedules[row]`` (acceptance lengths)."""
     tc, tp, dc, dp, prompts, settings, ar = setup
-    width = 16 + MAX_NEW + BLOCK
+    width = 16 + max(len(t) for t in ar.tokens) + BLOCK
     reference = np.zeros((len(prompts), width), np.int32)
     errors = np.zeros((len(prompts), width), bool)
     for b, (p, gen) in enumerate(zip(prompts, ar.tokens)):
@@ -86,7 +86,7 @@ def oracle_run(setup, schedules, stop_tokens=(), max_new=MAX_NEW, adaptive=()):
             start += length
     prop = OracleProposer(BLOCK, tc.vocab_size)
     s = DecodeSettings(max_new_tokens=max_new, stop_tokens=tuple(stop_tokens), record_drafts=True,
-                       adaptive_widths=adaptive)
+                       adaptive_widths=adaptive, width_costs=costs)
     return generate(tc, tp, prompts, prop, prop.init(jnp.asarray(reference), jnp.asarray(errors)), s)
 
 
@@ -110,34 +110,86 @@ def test_oracle_every_acceptance_length_is_lossless(setup):
         assert out.accept_lengths[b] == recompute_acceptance(out.drafts[b], out.tokens[b])
 
 
-def test_adaptive_block_size_is_lossless_and_follows_acceptance(setup):
-    """Adaptive widths (2, 4 and the full 8): the output equals the baseline; after a run of rejected rounds
-    the engine verifies fewer tokens (a round then accepts at most that width even where the proposals
-    would have matched further), and after long rounds it goes back to the full block."""
-    ar = setup[-1]
-    schedule = [1] * 6 + [8] * 6
-    out = oracle_run(setup, [schedule] * 3, adaptive=(2, 4))
-    assert out.tokens == ar.tokens
-    fixed = oracle_run(setup, [schedule] * 3)
-    for row, full in zip(out.accept_lengths, fixed.accept_lengths):
-        assert row[:6] == full[:6] == [1] * 6
-        assert full[6] == 8 and row[6] <= 4, row  # the moving average fell to ~1.8: width 4 verified
-        assert 8 in row[7:], row  # and rose again: back to the full block
+LONG = 96
 
 
-def test_adaptive_autoregressive_rounds_are_lossless_and_probe_again(setup):
-    """With width 1 allowed, a run of rejected rounds switches to plain autoregressive steps (acceptance 1,
-    no draft forward: the recorded proposals are zeros), a probe round drafts again every 8 rounds, and the
-    output still equals the baseline."""
-    ar = setup[-1]
-    out = oracle_run(setup, [[1] * 12 + [8] * 8] * 3, adaptive=(1, 2, 4))
+@pytest.fixture(scope="module")
+def long_setup(setup):
+    """The same models and prompts with a longer baseline output (room for several adaptive phases)."""
+    tc, tp, dc, dp, prompts, _, _ = setup
+    settings = DecodeSettings(max_new_tokens=LONG, record_drafts=True)
+    return tc, tp, dc, dp, prompts, settings, generate(tc, tp, prompts, NoProposer(), NoProposer().init(), settings)
+
+
+def check_widths(out, ar, block=BLOCK):
+    """Lossless, every round accepts at most its verify width, and width-1 rounds draft nothing."""
     assert out.tokens == ar.tokens
-    for b in range(3):
-        drafted = [bool(d.any()) for d in out.drafts[b]]
-        assert drafted[:8] == [True] * 8, drafted  # the moving average needs ~8 rejections to fall below 1.5
-        first_plain = drafted.index(False)
-        assert all(out.accept_lengths[b][r] == 1 for r, d in enumerate(drafted) if not d)
-        assert True in drafted[first_plain:], drafted  # a probe round drafts again
+    for row_widths, row_accept, row_drafts in zip(out.widths, out.accept_lengths, out.drafts):
+        assert len(row_widths) == len(row_accept)
+        assert all(1 <= a <= w <= block for a, w in zip(row_accept, row_widths)), (row_widths, row_accept)
+        assert all((w == 1) == (not d.any()) for w, d in zip(row_widths, row_drafts))
+
+
+def runs_of(widths):
+    """[(width, run length)] of consecutive equal widths."""
+    out = []
+    for w in widths:
+        if out and out[-1][0] == w:
+            out[-1][1] += 1
+        else:
+            out.append([w, 1])
+    return [tuple(r) for r in out]
+
+
+def test_adaptive_block_size_is_lossless_and_follows_acceptance(long_setup):
+    """Adaptive widths (2, 4 and the full 8) with rounds costing 0.5 / 0.7 / 1: the first phase verifies the
+    full block (optimistic prior), a run of rejected rounds narrows the width (a round then accepts at most
+    that width even where the proposals would have matched further), and once the narrow rounds accept
+    everything the engine goes back to the full block."""
+    ar = long_setup[-1]
+    out = oracle_run(long_setup, [[1] * 8 + [8] * 20] * 3, max_new=LONG, adaptive=(2, 4), costs=(0.5, 0.7, 1.0))
+    check_widths(out, ar)
+    for widths, accept in zip(out.widths, out.accept_lengths):
+        assert widths[:4] == [8] * 4 and accept[:4] == [1] * 4
+        assert widths[4] < 8, widths  # four rejections of position 1: not worth verifying the whole block
+        assert all(n % 4 == 0 for _, n in runs_of(widths)[:-1]), widths  # drafting phases of 4 rounds
+        back = widths.index(8, 4)  # the full block again ...
+        assert accept[back] == 8, (widths, accept)  # ... accepting all of it
+
+
+def test_adaptive_autoregressive_phases_are_lossless_and_probe_again(long_setup):
+    """With width 1 allowed and a round of the full block costing 3 autoregressive steps: rejected drafts
+    switch to autoregressive phases (a block of rounds with no draft forward, the recorded proposals are
+    zeros; the draft's context is filed when drafting resumes), single-round probes draft again after 1, then
+    2 (the first probe failed) autoregressive phases, and once a probe is accepted, drafting comes back up to
+    the full block. The output still equals the baseline."""
+    ar = long_setup[-1]
+    out = oracle_run(long_setup, [[1] * 24 + [8] * 12] * 3, max_new=LONG, adaptive=(1, 2, 4),
+                     costs=(1 / 3, 0.5, 0.7, 1.0))
+    check_widths(out, ar)
+    for widths, accept in zip(out.widths, out.accept_lengths):
+        runs = runs_of(widths)
+        assert runs[0] == (8, 4), runs
+        assert runs[1] == (1, BLOCK) and runs[2][1] == 1 and runs[3] == (1, 2 * BLOCK), runs
+        probe = 4 + 3 * BLOCK + 1  # the second probe: past the rejected stretch (24 one-token rounds)
+        assert widths[probe] > 1 and accept[probe] == widths[probe], (widths, accept)
+        assert 8 in widths[probe + 1:] and accept[widths.index(8, probe + 1)] == 8, (widths, accept)
+
+
+def test_adaptive_calibration_measures_every_width(setup):
+    """Without given costs the compiled loop times each width on the device (the full block is 1) and the
+    output is still the baseline's."""
+    tc, tp, dc, dp, prompts, settings, ar = setup
+    prop = DFlashProposer(dc, BLOCK)
+    state = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), len(prompts), 16 + MAX_NEW + BLOCK)
+    s = DecodeSettings(max_new_tokens=MAX_NEW, adaptive_widths=(1, 4))
+    out = generate(tc, tp, prompts, prop, state, s)
+    assert out.tokens == ar.tokens
+    from dflash_jax.engine import generate as engine
+
+    costs = [c for *_, c in engine._EXECUTABLES.values() if c is not None and len(c) == 3]
+    assert costs and costs[-1][-1] == 1.0 and all(0 < c < 10 for c in costs[-1]), costs
+    assert costs[-1][0] < 1.0, costs  # an autoregressive round is cheaper than a round of the block
 
 
 def test_max_new_tokens_cuts_inside_a_block(setup):

@@ -32,7 +32,8 @@ class Decoder:
     block_size: int | None = None  # defaults to the draft's block size
     dtype: Any = jnp.float32
     mesh: Any = None  # a jax Mesh (dflash_jax.sharding.make_mesh): params placed by the sharding rules table
-    adaptive_widths: tuple[int, ...] = ()  # DecodeSettings.adaptive_widths: verify widths chosen per round
+    adaptive_widths: tuple[int, ...] = ()  # DecodeSettings.adaptive_widths: verify widths chosen per phase
+    width_costs: tuple[float, ...] = ()  # DecodeSettings.width_costs: their relative round times (else measured)
 
     def __post_init__(self):
         self.dtype = resolve_dtype(self.dtype)
@@ -73,7 +74,8 @@ class Decoder:
     ) -> GenerationResult:
         self.check_fits([len(p) for p in prompts], max_new_tokens)
         settings = DecodeSettings(max_new_tokens, sampling, tuple(int(t) for t in stop_tokens), mesh=self.mesh,
-                                  adaptive_widths=() if baseline else tuple(self.adaptive_widths))
+                                  adaptive_widths=() if baseline else tuple(self.adaptive_widths),
+                                  width_costs=() if baseline else tuple(self.width_costs))
         if baseline or not self.has_draft:
             return generate(self.target_config, self.target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)

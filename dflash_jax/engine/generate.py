@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.engine import adaptive
 from dflash_jax.engine.sampling import SamplingConfig, accept_greedy, accept_sampling, select
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
@@ -33,11 +34,14 @@ class DecodeSettings:
     record_drafts: bool = False  # keep every round's proposals (tests recompute acceptance from them)
     mesh: Any = None  # a jax Mesh: KV caches sharded over batch (data, fsdp) and KV heads (tensor)
     prefill_chunk: int = 4096  # prompts wider than this prefill chunk by chunk (bounded activation memory)
-    # Adaptive block size (beyond the paper; off when empty): the tokens verified per round, chosen every
-    # round among these widths (each <= the block size) from the batch's recent acceptance. The draft still
-    # proposes a whole block; only the verified prefix shrinks, so the output stays lossless. Width 1 is a
-    # plain autoregressive round (no draft forward), taken while drafts are nearly never accepted.
+    # Adaptive block size (beyond the paper; off when empty, engine/adaptive.py): the tokens verified per
+    # round, chosen every few rounds among these widths and the full block from the batch's recent acceptance
+    # and the measured cost of each width. The draft still proposes a whole block; only the verified prefix
+    # shrinks, so the output stays lossless. Width 1 is a plain autoregressive round (no draft forward).
     adaptive_widths: tuple[int, ...] = ()
+    # Relative time of a round of each verify width (the adaptive widths below the block, then the block);
+    # empty: measured on the device when the program is compiled.
+    width_costs: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -46,6 +50,10 @@ class DecodeSettings:
             raise UserError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if any(w < 1 for w in self.adaptive_widths) or list(self.adaptive_widths) != sorted(set(self.adaptive_widths)):
             raise UserError(f"adaptive_widths must be increasing positive widths, got {self.adaptive_widths}")
+        if self.width_costs and not self.adaptive_widths:
+            raise UserError("width_costs needs adaptive_widths")
+        if any(not (np.isfinite(c) and c > 0) for c in self.width_costs):
+            raise UserError(f"width_costs must be positive, got {self.width_costs}")
 
 
 class LoopState(NamedTuple):
@@ -63,14 +71,9 @@ class LoopState(NamedTuple):
     drafts: jax.Array  # [B, max_new, K] proposals per round (or [B, 1, K] when not recorded)
     step: jax.Array  # scalar round counter
     prefill_finite: jax.Array  # [B] the prefill's logits were all finite (checked once, on the host)
-    recent_accept: jax.Array  # scalar: moving average of the batch's acceptance length (adaptive widths)
-
-
-# Adaptive widths with 1 among them: plain autoregressive rounds while the moving-average acceptance length
-# stays below 1 + AR_BELOW (drafts accepted less than every other round), with a drafting probe round every
-# PROBE_EVERY rounds.
-AR_BELOW = 0.5
-PROBE_EVERY = 8
+    # Adaptive widths (engine/adaptive.py); unused by fixed-block decoding.
+    widths: jax.Array  # [B, max_new] verify width of each round (adaptive widths; else [B, 1])
+    policy: adaptive.Policy  # what the width choice carries from phase to phase
 
 
 def _is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
@@ -148,65 +151,44 @@ def prefill(
         accept=jnp.zeros((b, settings.max_new_tokens), jnp.int32),
         drafts=jnp.zeros((b, rec, block - 1), jnp.int32), step=jnp.zeros((), jnp.int32),
         prefill_finite=jnp.all(jnp.isfinite(out.logits[:, 0]), axis=-1),
-        recent_accept=jnp.asarray(block, jnp.float32),  # start optimistic: the full block
+        widths=jnp.zeros((b, settings.max_new_tokens if settings.adaptive_widths else 1), jnp.int32),
+        policy=adaptive.initial_policy(block, len(adaptive.verify_widths(settings.adaptive_widths, block))),
     )
 
 
 def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings, target_params: dict,
-                 proposer_consts: Any, s: LoopState, dtype: Any = jnp.float32) -> LoopState:
+                 proposer_consts: Any, s: LoopState, dtype: Any = jnp.float32, width: int | None = None,
+                 ar_slot: jax.Array | None = None) -> LoopState:
+    """One round: draft, verify the anchor and the first ``width - 1`` proposals (the whole block by default),
+    accept, commit. Width 1 (adaptive phases only) is an autoregressive round: no draft forward; the anchor's
+    features go to slot ``ar_slot`` of the round context, filed into the draft's cache when drafting resumes."""
     block = proposer.block_size
+    width = block if width is None else width
     b = s.anchor.shape[0]
     active = ~s.done
     key, k_draft, k_accept = jax.random.split(s.key, 3)
     positions = s.start[:, None] + jnp.arange(block, dtype=jnp.int32)[None]
 
-    def propose():
-        return proposer.propose(proposer_consts, s.proposer, s.ctx, s.anchor, s.start, k_draft, settings.sampling)
-
-    def round_width(width: int):
-        """Draft (unless width 1), verify the anchor and the first ``width - 1`` drafts, accept. Width 1 is an
-        autoregressive step: the draft only files last round's features into its context cache."""
-        if width == 1:
-            shapes = jax.eval_shape(propose)
-            drafts = jnp.zeros(shapes[0].shape, jnp.int32)
-            draft_probs = None if shapes[1] is None else jnp.zeros(shapes[1].shape, shapes[1].dtype)
-            pstate = proposer.ingest(proposer_consts, s.proposer, *s.ctx)
-        else:
-            drafts, draft_probs, pstate = propose()
-        tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)[:, :width]
-        verify = TargetModel(target_config, dtype).apply(
-            {"params": target_params}, tokens, positions[:, :width], s.cache,
-            jnp.broadcast_to(active[:, None], (b, width)), feature_layers=proposer.feature_layers,
-        )
-        d = drafts[:, : width - 1]
-        if settings.sampling.greedy:
-            acc = accept_greedy(d, verify.logits)
-        else:
-            probs = draft_probs[:, : width - 1] if draft_probs is not None else None
-            if probs is None:  # a deterministic proposal: q is a point mass
-                probs = jax.nn.one_hot(d, verify.logits.shape[-1], dtype=jnp.float32)
-            acc = accept_sampling(k_accept, d, probs, verify.logits, settings.sampling)
-        features = verify.features
-        if features is not None and width < block:
-            features = jnp.pad(features, ((0, 0), (0, block - width), (0, 0)))
-        return acc.num_accepted, acc.next_token, verify.cache, features, drafts, pstate
-
-    widths = tuple(w for w in settings.adaptive_widths if w < block) + (block,)
-    if len(widths) == 1:
-        a, nxt, verified_cache, verified_features, drafts, pstate = round_width(block)
+    if width == 1:
+        drafts, draft_probs, pstate = jnp.zeros((b, block - 1), jnp.int32), None, s.proposer
     else:
-        # The smallest drafting width that covers about twice the recent acceptance length: long enough not
-        # to cut a good run short, short enough not to verify tokens that will be rejected.
-        drafting = widths[1:] if widths[0] == 1 else widths
-        wanted = jnp.ceil(2.0 * s.recent_accept)
-        choice = jnp.minimum(jnp.sum(jnp.asarray(drafting[:-1], jnp.float32) < wanted), len(drafting) - 1)
-        if widths[0] == 1:
-            # Width 1 (no draft) when drafts have been nearly useless; every PROBE_EVERY-th round drafts
-            # anyway, so that the moving average can rise again when the text turns predictable.
-            plain = (s.recent_accept < 1.0 + AR_BELOW) & (s.step % PROBE_EVERY != PROBE_EVERY - 1)
-            choice = jnp.where(plain, 0, choice + 1)
-        a, nxt, verified_cache, verified_features, drafts, pstate = jax.lax.switch(
-            choice, [functools.partial(round_width, w) for w in widths])
+        drafts, draft_probs, pstate = proposer.propose(proposer_consts, s.proposer, s.ctx, s.anchor, s.start,
+                                                       k_draft, settings.sampling)
+    tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)[:, :width]
+    verify = TargetModel(target_config, dtype).apply(
+        {"params": target_params}, tokens, positions[:, :width], s.cache,
+        jnp.broadcast_to(active[:, None], (b, width)), feature_layers=proposer.feature_layers,
+    )
+    d = drafts[:, : width - 1]
+    if settings.sampling.greedy:
+        acc = accept_greedy(d, verify.logits)
+    else:
+        probs = draft_probs[:, : width - 1] if draft_probs is not None else None
+        if probs is None:  # a deterministic proposal: q is a point mass
+            probs = jax.nn.one_hot(d, verify.logits.shape[-1], dtype=jnp.float32)
+        acc = accept_sampling(k_accept, d, probs, verify.logits, settings.sampling)
+    a, nxt = acc.num_accepted, acc.next_token
+
     idx = jnp.arange(block, dtype=jnp.int32)[None]
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     new_tokens = jnp.where(idx < a[:, None], padded, nxt[:, None])
@@ -222,23 +204,31 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
     num_out = s.num_out + count
 
     # Rollback: keep the anchor and the accepted drafts; the next token is the next anchor, not yet cached.
-    cache = verified_cache.with_lengths(jnp.where(active, s.start + a + 1, s.cache.lengths))
-    features = verified_features if verified_features is not None else s.ctx[0]
-    ctx = (features, positions, (idx <= a[:, None]) & active[:, None])
+    cache = verify.cache.with_lengths(jnp.where(active, s.start + a + 1, s.cache.lengths))
+    features = verify.features
+    if features is None:
+        ctx = s.ctx
+    elif width == 1:
+        ctx = (s.ctx[0].at[:, ar_slot].set(features[:, 0]), s.ctx[1].at[:, ar_slot].set(s.start),
+               s.ctx[2].at[:, ar_slot].set(active))
+    else:
+        ctx = (jnp.pad(features, ((0, 0), (0, block - width), (0, 0))), positions,
+               (idx <= a[:, None]) & active[:, None])
 
     accept = s.accept.at[jnp.arange(b), s.rounds].set(jnp.where(active, a + 1, 0), mode="drop")
     drafts_log = s.drafts
     if settings.record_drafts:
         drafts_log = s.drafts.at[jnp.arange(b), s.rounds].set(drafts, mode="drop")
-    return LoopState(
+    policy, widths = s.policy, s.widths
+    if settings.adaptive_widths:
+        policy = adaptive.observe(policy, a, width, active)
+        widths = s.widths.at[jnp.arange(b), s.rounds].set(jnp.where(active, width, 0), mode="drop")
+    return s._replace(
         key=key, cache=cache, proposer=pstate, ctx=ctx,
         anchor=jnp.where(active, nxt, s.anchor), start=jnp.where(active, s.start + a + 1, s.start),
         out=out, num_out=num_out, done=s.done | hit_stop | (num_out >= settings.max_new_tokens),
         rounds=s.rounds + active.astype(jnp.int32), accept=accept, drafts=drafts_log, step=s.step + 1,
-        prefill_finite=s.prefill_finite,
-        recent_accept=s.recent_accept if len(widths) == 1 else jnp.where(
-            active.any(), 0.7 * s.recent_accept + 0.3 * jnp.sum(jnp.where(active, a + 1, 0))
-            / jnp.maximum(jnp.sum(active), 1), s.recent_accept),
+        widths=widths, policy=policy,
     )
 
 
@@ -246,14 +236,35 @@ def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings,
                 proposer_consts: Any, state: LoopState, step_limit: jax.Array, dtype: Any = jnp.float32
                 ) -> LoopState:
     """Rounds until every row is done, or until ``step_limit`` rounds in total (a traced value, so streaming
-    can resume the same compiled loop chunk by chunk)."""
+    can resume the same compiled loop chunk by chunk). With adaptive widths the rounds run in phases of one
+    width each (``engine/adaptive.py``)."""
 
     def cond(s: LoopState):
         return (~jnp.all(s.done)) & (s.step < jnp.minimum(step_limit, settings.max_new_tokens))
 
-    body = functools.partial(decode_round, target_config, proposer, settings, target_params, proposer_consts,
-                             dtype=dtype)
-    return jax.lax.while_loop(cond, body, state)
+    round_ = functools.partial(decode_round, target_config, proposer, settings, target_params, proposer_consts,
+                               dtype=dtype)
+    if not settings.adaptive_widths:
+        return jax.lax.while_loop(cond, round_, state)
+    block = proposer.block_size
+    widths = adaptive.verify_widths(settings.adaptive_widths, block)
+
+    def phase(width: int, rounds: jax.Array, s: LoopState) -> LoopState:
+        if width == 1:  # file the pending features now: the rounds refill the context slot by slot
+            pstate = proposer.ingest(proposer_consts, s.proposer, *s.ctx)
+            s = s._replace(proposer=pstate, ctx=(s.ctx[0], s.ctx[1], jnp.zeros_like(s.ctx[2])))
+        s, _ = jax.lax.while_loop(
+            lambda c: cond(c[0]) & (c[1] < rounds),
+            lambda c: (round_(c[0], width=width, ar_slot=c[1]), c[1] + 1),
+            (s, jnp.int32(0)))
+        return s._replace(policy=s.policy._replace(last_width=jnp.int32(width)))
+
+    def next_phase(s: LoopState) -> LoopState:
+        choice, policy = adaptive.next_phase(s.policy, widths)
+        branches = [functools.partial(phase, w, adaptive.phase_rounds(w, block, s.policy.last_width)) for w in widths]
+        return jax.lax.switch(choice, branches, s._replace(policy=policy))
+
+    return jax.lax.while_loop(cond, next_phase, state)
 
 
 def jitted_functions(target_config: TargetConfig, proposer, settings: DecodeSettings, slots: int, dtype,
@@ -280,6 +291,7 @@ class GenerationResult:
     decode_s: float  # wall time of the decode loop program (no compilation)
     compile_s: float
     drafts: list[np.ndarray] | None = None  # per row [rounds, K] when recorded
+    widths: list[list[int]] | None = None  # per row, verify width of every round (adaptive widths only)
 
     @property
     def num_tokens(self) -> int:
@@ -405,10 +417,42 @@ def executables(target_config: TargetConfig, target_params: dict, proposer, prop
         # token); one round of warm-up keeps that out of the timings.
         warm = pre_c(target_params, consts, pstate, batch.tokens, batch.lengths, key)
         jax.block_until_ready(loop_c(target_params, consts, warm, jnp.int32(1)))
-        _EXECUTABLES[signature] = (pre_c, loop_c)
+        costs = _width_costs(pre_c, loop_c, target_params, proposer_inputs, settings, proposer.block_size, batch, key)
+        _EXECUTABLES[signature] = (pre_c, loop_c, costs)
         while len(_EXECUTABLES) > _MAX_EXECUTABLES:
             _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
     return _EXECUTABLES[signature]
+
+
+def _width_costs(pre_c: Any, loop_c: Any, target_params: dict, proposer_inputs: tuple[Any, Any],
+                 settings: DecodeSettings, block: int, batch: PaddedBatch, key: jax.Array) -> np.ndarray | None:
+    """Relative round cost of each adaptive verify width: given, or timed on this batch with the compiled
+    loop itself (each width forced in turn), so the costs are those of this device and program."""
+    if not settings.adaptive_widths:
+        return None
+    widths = adaptive.verify_widths(settings.adaptive_widths, block)
+    if settings.width_costs:
+        if len(settings.width_costs) != len(widths):
+            raise UserError(f"width_costs needs one cost per verify width {widths}, got {settings.width_costs}")
+        return np.asarray(settings.width_costs, np.float32)
+    consts, pstate = proposer_inputs
+
+    def run_rounds(index: int) -> tuple[float, int]:
+        state = pre_c(target_params, consts, pstate, batch.tokens, batch.lengths, key)
+        forced = jax.device_put(np.int32(index), state.policy.forced.sharding)
+        state = state._replace(policy=state.policy._replace(forced=forced))
+        state = jax.block_until_ready(state)
+        seconds, state = adaptive.timed(
+            lambda: loop_c(target_params, consts, state, jnp.int32(adaptive.CALIBRATION_ROUNDS)))
+        return seconds, int(to_host(state.step))
+
+    return adaptive.calibrate(widths, run_rounds)
+
+
+def _with_costs(state: LoopState, costs: np.ndarray | None) -> LoopState:
+    if costs is None:
+        return state
+    return state._replace(policy=state.policy._replace(costs=jax.device_put(costs, state.policy.costs.sharding)))
 
 
 def _check_prefill(state: LoopState) -> None:
@@ -438,12 +482,14 @@ def _result(state: LoopState, settings: DecodeSettings, prefill_s: float, decode
     out, num_out, rounds, accept = (to_host(x) for x in (state.out, state.num_out, state.rounds, state.accept))
     rows = range(out.shape[0])
     drafts = to_host(state.drafts) if settings.record_drafts else None
+    widths = to_host(state.widths) if settings.adaptive_widths else None
     return GenerationResult(
         tokens=[out[i, : num_out[i]].tolist() for i in rows],
         accept_lengths=[accept[i, : rounds[i]].tolist() for i in rows],
         rounds=rounds.tolist(),
         prefill_s=prefill_s, decode_s=decode_s, compile_s=compile_s,
         drafts=[drafts[i, : rounds[i]] for i in rows] if drafts is not None else None,
+        widths=[widths[i, : rounds[i]].tolist() for i in rows] if widths is not None else None,
     )
 
 
@@ -469,13 +515,15 @@ def generate(
     consts, pstate = proposer_inputs
 
     t0 = time.perf_counter()
-    pre_c, loop_c = executables(target_config, target_params, proposer, proposer_inputs, settings, batch, key, dtype)
+    pre_c, loop_c, costs = executables(target_config, target_params, proposer, proposer_inputs, settings, batch, key,
+                                       dtype)
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     state = jax.block_until_ready(pre_c(target_params, consts, pstate, batch.tokens, batch.lengths, key))
     prefill_s = time.perf_counter() - t0
     _check_prefill(state)
+    state = _with_costs(state, costs)
 
     t0 = time.perf_counter()
     state = _decode(loop_c, target_params, consts, state, settings.max_new_tokens, on_tokens, chunk_rounds)

@@ -1,0 +1,148 @@
+"""Adaptive block size (beyond the paper): how many tokens each phase of rounds verifies.
+
+The decode loop runs in *phases*: a few rounds at one static width, chosen between phases by ``choose``. A
+phase is a ``lax.while_loop`` of ordinary rounds inside one branch of a ``lax.switch``, so a round costs what
+a fixed-width round costs and the switch is paid once per phase, not per round. Width 1 is a plain
+autoregressive phase: no draft forward; the target's features of its tokens are gathered in the round
+context and filed into the draft's cache in one write when drafting resumes.
+
+The choice maximises expected tokens per unit of time:
+
+- expected tokens of width ``w``: ``1 + sum_{k<w} prod_{j<=k} p_j``, with ``p_j`` the batch's recent rate of
+  accepting draft position ``j`` given position ``j - 1`` was accepted (exponentially decayed counts; a
+  verified prefix only observes its own positions), shrunk towards an optimistic prior ``PRIOR_P`` so that
+  positions not verified for a while (or at all, during autoregressive phases) look promising again: that is
+  what makes the engine probe drafting again after it gave up on it;
+- time of a round of width ``w``: ``costs[w]``, measured on the device for the compiled program (``calibrate``)
+  or given by the caller (``DecodeSettings.width_costs``).
+
+Everything is lossless by construction: a phase only changes how many proposals are verified, never how.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Counts decay by DECAY per drafting round: the estimate follows roughly the last 1 / (1 - DECAY) of them.
+# Counts are per row (batch averages), so the prior weighs the same whatever the batch size.
+DECAY = 0.9
+# Prior on every conditional acceptance rate, worth PRIOR_WEIGHT observed rounds.
+PRIOR_P = 0.9
+PRIOR_WEIGHT = 1.0
+# Rounds per drafting phase; the first drafting phase after autoregressive ones is a single probe round.
+# An autoregressive phase lasts one block of rounds: its features fill exactly one round context.
+DRAFT_PHASE = 4
+PROBE_PHASE = 1
+# Autoregressive phases before a probe: 1, doubled (up to MAX_PROBE_GAP) after every probe whose round
+# accepted fewer than PROBE_ACCEPTS drafts per row.
+MAX_PROBE_GAP = 8
+PROBE_ACCEPTS = 0.5
+# Rounds timed per width by ``calibrate`` (best of CALIBRATION_REPEATS runs).
+CALIBRATION_ROUNDS = 32
+CALIBRATION_REPEATS = 3
+
+
+class Policy(NamedTuple):
+    """What the width choice carries from phase to phase (part of the decode loop state)."""
+
+    stats: jax.Array  # [2, K] decayed per-row (attempts, acceptances) of each draft position
+    costs: jax.Array  # [W] relative time of a round of each verify width
+    forced: jax.Array  # index of the width every phase must use (calibration), -1 = choose
+    last_width: jax.Array  # width of the last phase
+    ar_phases: jax.Array  # autoregressive phases since the last drafting one
+    probe_gap: jax.Array  # autoregressive phases to wait before the next probe
+    probing: jax.Array  # the last phase was a probe
+    accepted: jax.Array  # drafts accepted per row in the last drafting round
+
+
+def verify_widths(adaptive_widths: tuple[int, ...], block: int) -> tuple[int, ...]:
+    """The widths a phase may verify: the requested ones below the block, then the full block."""
+    return tuple(w for w in adaptive_widths if w < block) + (block,)
+
+
+def initial_policy(block: int, num_widths: int) -> Policy:
+    """Nothing observed: the optimistic prior picks the full block first (when it is not much dearer)."""
+    return Policy(stats=jnp.zeros((2, max(block - 1, 1)), jnp.float32), costs=jnp.ones((num_widths,), jnp.float32),
+                  forced=jnp.int32(-1), last_width=jnp.int32(block), ar_phases=jnp.int32(0),
+                  probe_gap=jnp.int32(1), probing=jnp.bool_(False), accepted=jnp.float32(0))
+
+
+def observe(policy: Policy, accepted: jax.Array, width: int, active: jax.Array) -> Policy:
+    """Decay, then count one round: draft position ``j`` (1-based) was attempted by the rows that verified it
+    and accepted everything before it, and accepted by the rows with more than ``j - 1`` acceptances. A
+    width-1 round observes nothing and changes nothing: probes decide when drafting is worth trying again."""
+    if width == 1:
+        return policy
+    j = jnp.arange(1, policy.stats.shape[1] + 1)[None]
+    reach = jnp.minimum(accepted + 1, width - 1)[:, None]
+    attempts = jnp.sum((j <= reach) & active[:, None], axis=0)
+    accepts = jnp.sum((j <= accepted[:, None]) & active[:, None], axis=0)
+    rows = jnp.maximum(jnp.sum(active), 1)
+    counts = jnp.stack([attempts, accepts]).astype(jnp.float32) / rows
+    mean = jnp.sum(jnp.where(active, accepted, 0)) / rows
+    return policy._replace(stats=jnp.where(active.any(), DECAY * policy.stats + counts, policy.stats),
+                           accepted=mean.astype(jnp.float32))
+
+
+def expected_tokens(stats: jax.Array, widths: tuple[int, ...]) -> jax.Array:
+    """``[len(widths)]`` expected tokens committed by one round of each width (accepted drafts + 1)."""
+    attempts, accepts = stats
+    rate = (accepts + PRIOR_WEIGHT * PRIOR_P) / (attempts + PRIOR_WEIGHT)
+    reach = jnp.concatenate([jnp.ones((1,)), jnp.cumprod(rate)])  # P(position k accepted), k = 0 .. K
+    cumulative = jnp.cumsum(reach)
+    return jnp.stack([cumulative[w - 1] for w in widths])
+
+
+def next_phase(policy: Policy, widths: tuple[int, ...]) -> tuple[jax.Array, Policy]:
+    """Index of the next phase's width: the most expected tokens per unit of time after a drafting phase.
+    Autoregressive phases observe nothing, so after them the choice is a schedule: another one, until
+    ``probe_gap`` have passed, then a one-round probe at the best drafting width. A probe that accepts less
+    than PROBE_ACCEPTS drafts per row doubles the gap (up to MAX_PROBE_GAP), any other resets it to 1, so a
+    text that turns predictable brings drafting back within a few phases and a hopeless one costs a probe
+    every MAX_PROBE_GAP blocks of rounds. ``forced`` >= 0 overrides everything."""
+    rate = expected_tokens(policy.stats, widths) / policy.costs
+    best = jnp.argmax(rate).astype(jnp.int32)
+    if widths[0] != 1:
+        return jnp.where(policy.forced >= 0, policy.forced, best), policy
+    gap = jnp.where(policy.probing, jnp.where(policy.accepted < PROBE_ACCEPTS,
+                                              jnp.minimum(2 * policy.probe_gap, MAX_PROBE_GAP), 1), policy.probe_gap)
+    after_ar = policy.last_width == 1
+    probe = after_ar & (policy.ar_phases >= gap)
+    best_drafting = 1 + jnp.argmax(rate[1:]).astype(jnp.int32)
+    choice = jnp.where(after_ar, jnp.where(probe, best_drafting, 0), best)
+    choice = jnp.where(policy.forced >= 0, policy.forced, choice)
+    plain = choice == 0
+    return choice, policy._replace(ar_phases=jnp.where(plain, policy.ar_phases + 1, 0), probe_gap=gap,
+                                   probing=~plain & after_ar)
+
+
+def phase_rounds(width: int, block: int, previous_width: jax.Array) -> jax.Array:
+    """Rounds of a phase of ``width`` after a phase of ``previous_width``."""
+    if width == 1:
+        return jnp.int32(block)
+    return jnp.where(previous_width == 1, PROBE_PHASE, DRAFT_PHASE).astype(jnp.int32)
+
+
+def calibrate(widths: tuple[int, ...], run_rounds: Callable[[int], tuple[float, int]]) -> np.ndarray:
+    """Relative cost of a round of each width (the full block's is 1): ``run_rounds(i)`` runs the compiled
+    loop with width ``i`` forced for up to CALIBRATION_ROUNDS rounds and returns (seconds, rounds taken)."""
+    per_round = []
+    for i in range(len(widths)):
+        best = float("inf")
+        for _ in range(CALIBRATION_REPEATS):
+            seconds, rounds = run_rounds(i)
+            best = min(best, seconds / max(rounds, 1))
+        per_round.append(best)
+    costs = np.asarray(per_round, np.float64)
+    return (costs / costs[-1]).astype(np.float32)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return time.perf_counter() - t0, out

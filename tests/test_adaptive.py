@@ -1,0 +1,85 @@
+"""The adaptive width policy on its own (engine/adaptive.py), against brute-force constructions."""
+
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.engine import adaptive
+
+
+def test_expected_tokens_equals_enumerating_acceptance_patterns():
+    """E[tokens] of width w from the conditional rates, vs summing over every accept/reject pattern of the
+    w - 1 verified drafts (a round keeps the accepted prefix plus one token)."""
+    rng = np.random.default_rng(0)
+    block = 6
+    stats = np.stack([rng.uniform(0, 5, block - 1), np.zeros(block - 1)]).astype(np.float32)
+    stats[1] = stats[0] * rng.uniform(0, 1, block - 1)
+    rate = (stats[1] + adaptive.PRIOR_WEIGHT * adaptive.PRIOR_P) / (stats[0] + adaptive.PRIOR_WEIGHT)
+    widths = (1, 2, 4, 6)
+    got = np.asarray(adaptive.expected_tokens(jnp.asarray(stats), widths))
+    for w, g in zip(widths, got):
+        want = 0.0
+        for pattern in itertools.product([True, False], repeat=w - 1):
+            p = np.prod([rate[j] if ok else 1 - rate[j] for j, ok in enumerate(pattern)])
+            prefix = next((j for j, ok in enumerate(pattern) if not ok), w - 1)
+            want += p * (prefix + 1)
+        np.testing.assert_allclose(g, want, rtol=1e-5)
+
+
+def test_observe_counts_reached_and_accepted_positions_per_row():
+    policy = adaptive.initial_policy(block=5, num_widths=2)
+    accepted = jnp.asarray([0, 2, 3, 1])
+    active = jnp.asarray([True, True, True, False])
+    out = adaptive.observe(policy, accepted, width=4, active=active)
+    # Width 4 verifies drafts 1..3. Row 0 tried 1 (rejected); row 1 tried 1..3, accepted 1, 2; row 2 accepted
+    # 1..3 (draft 4 not verified); row 3 is finished and does not count. Per active row (3 rows).
+    attempts = np.asarray([3, 2, 2, 0]) / 3
+    accepts = np.asarray([2, 2, 1, 0]) / 3
+    np.testing.assert_allclose(np.asarray(out.stats), np.stack([attempts, accepts]), rtol=1e-6)
+    np.testing.assert_allclose(float(out.accepted), 5 / 3, rtol=1e-6)
+    again = adaptive.observe(out, accepted, width=4, active=active)
+    np.testing.assert_allclose(np.asarray(again.stats), (1 + adaptive.DECAY) * np.stack([attempts, accepts]),
+                               rtol=1e-6)
+    assert adaptive.observe(out, accepted, width=1, active=active) is out  # autoregressive: nothing seen
+
+
+def test_cost_decides_between_widths():
+    stats = jnp.asarray([[10.0, 0, 0], [5.0, 0, 0]])  # draft 1 accepted ~half the time, the rest never tried
+    widths = (1, 2, 4)
+    e = np.asarray(adaptive.expected_tokens(stats, widths))
+    cheap_block = adaptive.next_phase(adaptive.initial_policy(4, 3)._replace(
+        stats=stats, costs=jnp.asarray([1.0, 1.0, 1.0]), last_width=jnp.int32(4)), widths)[0]
+    assert int(cheap_block) == 2  # same cost: the most tokens
+    dear_block = adaptive.next_phase(adaptive.initial_policy(4, 3)._replace(
+        stats=stats, costs=jnp.asarray([1.0, e[1] / 0.9, e[2] / 0.9]), last_width=jnp.int32(4)), widths)[0]
+    assert int(dear_block) == 0  # every drafting width below one token per autoregressive step
+
+
+def test_probe_schedule_backs_off_and_resets():
+    """After autoregressive phases: a probe once probe_gap phases passed; a failed probe doubles the gap (up
+    to MAX_PROBE_GAP), an accepted one resets it."""
+    widths = (1, 4, 8)
+    hopeless = jnp.asarray([[20.0] * 7, [0.0] * 7])
+    policy = adaptive.initial_policy(8, 3)._replace(stats=hopeless, costs=jnp.asarray([0.5, 0.8, 1.0]))
+    choices = []
+    for _ in range(40):
+        choice, policy = adaptive.next_phase(policy, widths)
+        width = widths[int(choice)]
+        choices.append(width)
+        if width > 1:  # a probe: it fails (accepts nothing)
+            policy = adaptive.observe(policy, jnp.asarray([0]), width, jnp.asarray([True]))
+        policy = policy._replace(last_width=jnp.int32(width))
+    probes = [i for i, w in enumerate(choices) if w > 1]
+    gaps = np.diff([-1] + probes) - 1
+    assert gaps.tolist()[:5] == [1, 2, 4, 8, 8], choices
+    # An accepted probe: the gap resets to one phase.
+    policy = policy._replace(probing=jnp.bool_(True), accepted=jnp.float32(3.0), last_width=jnp.int32(4))
+    _, policy = adaptive.next_phase(policy, widths)
+    assert int(policy.probe_gap) == 1
+
+
+def test_forced_width_overrides_the_choice():
+    policy = adaptive.initial_policy(8, 3)._replace(forced=jnp.int32(1))
+    assert int(adaptive.next_phase(policy, (1, 4, 8))[0]) == 1
+    assert int(adaptive.next_phase(policy, (2, 4, 8))[0]) == 1
