@@ -76,6 +76,16 @@ def run_cli(parser: argparse.ArgumentParser, action: Callable[[argparse.Namespac
 # ------------------------------------------------------------------------------ devices (infer and train)
 
 
+def widths_arg(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4, got {text!r}") from None
+    if not widths or widths[0] < 1:
+        raise argparse.ArgumentTypeError(f"widths must be positive, got {text!r}")
+    return widths
+
+
 def add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-devices", type=int, metavar="N",
                         help="simulate N devices on the CPU (XLA's host platform device count), e.g. to try a mesh")

@@ -14,7 +14,9 @@ from dflash_jax.engine.decoder import Decoder, decode_continuation, encode_conve
 from dflash_jax.engine.generate import GenerationResult
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.evaluation.prompts import read_prompt_file
-from infer.cli import Parser, UsageError, add_device_args, run_cli, seed_arg, setup_devices, text_arg
+from infer.cli import (
+    Parser, UsageError, add_device_args, run_cli, seed_arg, setup_devices, text_arg, widths_arg,
+)
 
 PROG = "python -m infer"
 
@@ -36,25 +38,17 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
     parser.add_argument("--block-size", type=int, metavar="B",
                         help="tokens per round (anchor + B-1 drafts), at most the draft's block_size (default)")
     parser.add_argument("--adaptive", type=widths_arg, default=(), metavar="W1,W2,...",
-                        help="adaptive block size (beyond the paper; off by default): each round verifies one of "
-                             "these widths or the full block, chosen from the batch's recent acceptance, e.g. 1,2,4 "
-                             "with a block-8 draft (1: a plain autoregressive round, no draft, while drafts are "
-                             "rarely accepted); the output is unchanged")
+                        help="adaptive block size (beyond the paper; off by default): every few rounds verify one "
+                             "of these widths or the full block, whichever gives the most tokens per unit of time "
+                             "from the batch's recent acceptance and each width's round time (measured on this "
+                             "device when the program compiles), e.g. 1,2,4 with a block-8 draft (1: plain "
+                             "autoregressive rounds, no draft forward, with occasional probes); the output is "
+                             "unchanged")
     parser.add_argument("--mesh", metavar="SPEC",
                         help="shard the models over devices, e.g. tensor=8 or data=2,tensor=4 (axes data, fsdp, "
                              "tensor; the training's rules table: attention heads and MLP over tensor, KV caches "
                              "over KV heads, prompts over data); default: one device")
     add_device_args(parser)
-
-
-def widths_arg(text: str) -> tuple[int, ...]:
-    try:
-        widths = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,4, got {text!r}") from None
-    if not widths or widths[0] < 1:
-        raise argparse.ArgumentTypeError(f"widths must be positive, got {text!r}")
-    return widths
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

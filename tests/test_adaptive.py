@@ -61,7 +61,8 @@ def test_probe_schedule_backs_off_and_resets():
     to MAX_PROBE_GAP), an accepted one resets it."""
     widths = (1, 4, 8)
     hopeless = jnp.asarray([[20.0] * 7, [0.0] * 7])
-    policy = adaptive.initial_policy(8, 3)._replace(stats=hopeless, costs=jnp.asarray([0.5, 0.8, 1.0]))
+    policy = adaptive.initial_policy(8, 3)._replace(stats=hopeless, costs=jnp.asarray([0.5, 0.8, 1.0]),
+                                                    last_width=jnp.int32(8), ar_phases=jnp.int32(0))
     choices = []
     for _ in range(40):
         choice, policy = adaptive.next_phase(policy, widths)
@@ -77,6 +78,13 @@ def test_probe_schedule_backs_off_and_resets():
     policy = policy._replace(probing=jnp.bool_(True), accepted=jnp.float32(3.0), last_width=jnp.int32(4))
     _, policy = adaptive.next_phase(policy, widths)
     assert int(policy.probe_gap) == 1
+
+
+def test_decoding_opens_with_a_one_round_probe_of_the_full_block():
+    policy = adaptive.initial_policy(8, 3)._replace(costs=jnp.asarray([0.4, 0.8, 1.0]))
+    choice, policy = adaptive.next_phase(policy, (1, 4, 8))
+    assert int(choice) == 2 and bool(policy.probing)
+    assert int(adaptive.phase_rounds(8, 8, jnp.int32(1))) == adaptive.PROBE_PHASE == 1
 
 
 def test_forced_width_overrides_the_choice():

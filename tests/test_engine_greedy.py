@@ -142,36 +142,36 @@ def runs_of(widths):
 
 
 def test_adaptive_block_size_is_lossless_and_follows_acceptance(long_setup):
-    """Adaptive widths (2, 4 and the full 8) with rounds costing 0.5 / 0.7 / 1: the first phase verifies the
-    full block (optimistic prior), a run of rejected rounds narrows the width (a round then accepts at most
-    that width even where the proposals would have matched further), and once the narrow rounds accept
-    everything the engine goes back to the full block."""
+    """Adaptive widths (2, 4 and the full 8) with rounds costing 0.5 / 0.7 / 1: a one-round probe and the
+    first phase verify the full block (optimistic prior), a run of rejected rounds narrows the width (a round
+    then accepts at most that width even where the proposals would have matched further), and once the
+    narrow rounds accept everything the engine goes back to the full block."""
     ar = long_setup[-1]
     out = oracle_run(long_setup, [[1] * 8 + [8] * 20] * 3, max_new=LONG, adaptive=(2, 4), costs=(0.5, 0.7, 1.0))
     check_widths(out, ar)
     for widths, accept in zip(out.widths, out.accept_lengths):
-        assert widths[:4] == [8] * 4 and accept[:4] == [1] * 4
-        assert widths[4] < 8, widths  # four rejections of position 1: not worth verifying the whole block
-        assert all(n % 4 == 0 for _, n in runs_of(widths)[:-1]), widths  # drafting phases of 4 rounds
-        back = widths.index(8, 4)  # the full block again ...
+        assert widths[:5] == [8] * 5 and accept[:5] == [1] * 5
+        assert widths[5] < 8, widths  # five rejections of position 1: not worth verifying the whole block
+        assert all(n % 4 == 0 for _, n in runs_of(widths)[1:-1]), widths  # drafting phases of 4 rounds
+        back = widths.index(8, 5)  # the full block again ...
         assert accept[back] == 8, (widths, accept)  # ... accepting all of it
 
 
 def test_adaptive_autoregressive_phases_are_lossless_and_probe_again(long_setup):
     """With width 1 allowed and a round of the full block costing 3 autoregressive steps: rejected drafts
-    switch to autoregressive phases (a block of rounds with no draft forward, the recorded proposals are
-    zeros; the draft's context is filed when drafting resumes), single-round probes draft again after 1, then
-    2 (the first probe failed) autoregressive phases, and once a probe is accepted, drafting comes back up to
-    the full block. The output still equals the baseline."""
+    switch to autoregressive phases (blocks of rounds with no draft forward, the recorded proposals are
+    zeros; the draft's context is filed when drafting resumes). Single-round probes draft again after 2, then
+    4 autoregressive phases (the opening probe and the next one failed: the gap doubles), and once a probe is
+    accepted, drafting comes back up to the full block. The output still equals the baseline."""
     ar = long_setup[-1]
     out = oracle_run(long_setup, [[1] * 24 + [8] * 12] * 3, max_new=LONG, adaptive=(1, 2, 4),
                      costs=(1 / 3, 0.5, 0.7, 1.0))
     check_widths(out, ar)
     for widths, accept in zip(out.widths, out.accept_lengths):
         runs = runs_of(widths)
-        assert runs[0] == (8, 4), runs
-        assert runs[1] == (1, BLOCK) and runs[2][1] == 1 and runs[3] == (1, 2 * BLOCK), runs
-        probe = 4 + 3 * BLOCK + 1  # the second probe: past the rejected stretch (24 one-token rounds)
+        assert runs[0] == (8, 5), runs  # the opening probe, then a phase
+        assert runs[1] == (1, 2 * BLOCK) and runs[2][1] == 1 and runs[3] == (1, 4 * BLOCK), runs
+        probe = 5 + 6 * BLOCK + 1  # past the rejected stretch (24 one-token rounds)
         assert widths[probe] > 1 and accept[probe] == widths[probe], (widths, accept)
         assert 8 in widths[probe + 1:] and accept[widths.index(8, probe + 1)] == 8, (widths, accept)
 

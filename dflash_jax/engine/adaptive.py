@@ -66,9 +66,11 @@ def verify_widths(adaptive_widths: tuple[int, ...], block: int) -> tuple[int, ..
 
 
 def initial_policy(block: int, num_widths: int) -> Policy:
-    """Nothing observed: the optimistic prior picks the full block first (when it is not much dearer)."""
+    """Nothing observed yet: decoding starts as if after an autoregressive phase, with a one-round probe at
+    the width the optimistic prior favours (the full block unless it is much dearer), so a text the draft
+    cannot follow costs one drafting round, not a phase."""
     return Policy(stats=jnp.zeros((2, max(block - 1, 1)), jnp.float32), costs=jnp.ones((num_widths,), jnp.float32),
-                  forced=jnp.int32(-1), last_width=jnp.int32(block), ar_phases=jnp.int32(0),
+                  forced=jnp.int32(-1), last_width=jnp.int32(1), ar_phases=jnp.int32(1),
                   probe_gap=jnp.int32(1), probing=jnp.bool_(False), accepted=jnp.float32(0))
 
 

@@ -215,6 +215,7 @@ class SpeedSettings:
     seed: int = 0
     dtype: Any = jnp.float32
     cache_slots: int | None = None  # component timings only: preallocate at least this many cache slots
+    adaptive_widths: tuple[int, ...] = ()  # also decode end to end with these adaptive widths (oracle and draft)
 
     def validate(self) -> None:
         checks = [
@@ -397,12 +398,18 @@ def run_e2e(runs: dict[str, Callable[[], GenerationResult]], repeats: int,
 
 
 def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSettings,
-              log: Callable[[str], None] = lambda _: None) -> dict:
-    """The whole benchmark; returns a JSON-ready report (see :func:`format_report`)."""
+              log: Callable[[str], None] = lambda _: None, mesh: Any = None) -> dict:
+    """The whole benchmark; returns a JSON-ready report (see :func:`format_report`). With ``mesh`` the
+    params are placed by the sharding rules and every end-to-end decode runs sharded over it."""
     s.validate()
     DFlashProposer(dc, s.block_size, s.dtype)  # validates the block size against the draft
     prompts = random_prompts(tc.vocab_size, s.batch, s.context, s.seed)
-    settings = DecodeSettings(max_new_tokens=s.new_tokens)
+    if mesh is not None:
+        from dflash_jax import sharding
+
+        tp, dp = (jax.device_put(tree, sharding.tree_shardings(tree, mesh)) for tree in (tp, dp))
+    settings = DecodeSettings(max_new_tokens=s.new_tokens, mesh=mesh)
+    adaptive = dataclasses.replace(settings, adaptive_widths=s.adaptive_widths)
     t_start = time.perf_counter()
     machine = machine_info()  # the load average at the start
 
@@ -420,12 +427,18 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
     ostate = oracle.init(jnp.asarray(reference), jnp.asarray(errors))
     prop = DFlashProposer(dc, s.block_size, s.dtype)
     pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), s.batch, width)
-    runs = run_e2e({
+    modes = {
         "autoregressive": run_ar,
         "oracle": lambda: generate(tc, tp, prompts, oracle, ostate, settings, seed=s.seed, dtype=s.dtype),
         "draft": lambda: generate(tc, tp, prompts, prop, pstate, settings, seed=s.seed, dtype=s.dtype),
-    }, s.e2e_repeats, log, warm={"autoregressive": ar_warm})
-    ar, orc, drf = runs["autoregressive"], runs["oracle"], runs["draft"]
+    }
+    if s.adaptive_widths:
+        modes["oracle_adaptive"] = lambda: generate(tc, tp, prompts, oracle, ostate, adaptive, seed=s.seed,
+                                                    dtype=s.dtype)
+        modes["draft_adaptive"] = lambda: generate(tc, tp, prompts, prop, pstate, adaptive, seed=s.seed,
+                                                   dtype=s.dtype)
+    runs = run_e2e(modes, s.e2e_repeats, log, warm={"autoregressive": ar_warm})
+    ar = runs["autoregressive"]
 
     t = {k: v.median_s for k, v in comp.items()}
     tau = float(s.tau)
@@ -435,8 +448,12 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         "rounds": tau * t["ar_round"] / t["round"],
     }
     e2e = {}
-    for run, kind in ((ar, None), (orc, "without_draft"), (drf, "with_draft")):
+    for run in runs.values():
+        kind = None if run.name == "autoregressive" else "without_draft" if "oracle" in run.name else "with_draft"
         d = run.to_dict()
+        if run.first.widths is not None:
+            d["widths"] = dict(zip(*map(list, np.unique(np.concatenate(run.first.widths), return_counts=True))))
+            d["widths"] = {int(k): int(v) for k, v in d["widths"].items()}
         d["speedup"] = ar.decode_s / run.decode_s
         mismatch = first_difference(run.first.tokens, ar.first.tokens)
         d["identical_to_ar"] = mismatch is None
@@ -452,7 +469,9 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
     return {
         "settings": {"batch": s.batch, "block_size": s.block_size, "context": s.context,
                      "new_tokens": s.new_tokens, "tau": s.tau, "repeats": s.repeats,
-                     "e2e_repeats": s.e2e_repeats, "seed": s.seed, "dtype": jnp.dtype(s.dtype).name},
+                     "e2e_repeats": s.e2e_repeats, "seed": s.seed, "dtype": jnp.dtype(s.dtype).name,
+                     "adaptive_widths": list(s.adaptive_widths),
+                     "mesh": None if mesh is None else dict(zip(mesh.axis_names, map(int, mesh.devices.shape)))},
         "models": {
             "target": {"layers": tc.num_hidden_layers, "hidden": tc.hidden_size, "heads": tc.num_attention_heads,
                        "kv_heads": tc.num_key_value_heads, "head_dim": tc.head_dim,
@@ -514,8 +533,9 @@ def format_report(r: dict, title: str = "") -> str:
         f"{'speedup':>8s} {'bound':>7s} {'meas/bound':>10s}  same as AR",
     ]
     names = {"autoregressive": "autoregressive", "oracle": f"DFlash, oracle tau={tau}",
-             "draft": "DFlash, the draft"}
-    for key in ("autoregressive", "oracle", "draft"):
+             "draft": "DFlash, the draft", "oracle_adaptive": "  adaptive widths", "draft_adaptive": "  adaptive widths"}
+    order = ("autoregressive", "oracle", "oracle_adaptive", "draft", "draft_adaptive")
+    for key in (k for k in order if k in e):
         d = e[key]
         bound = f"{d['bound']:6.2f}x" if "bound" in d else f"{'':7s}"
         ratio = f"{d['measured_over_bound']:10.2f}" if "measured_over_bound" in d else f"{'':10s}"
@@ -524,6 +544,13 @@ def format_report(r: dict, title: str = "") -> str:
             f"{d['decode_s']:9.3f} {d['tokens_per_s']:9.1f} {d['speedup']:7.2f}x {bound} {ratio}  "
             f"{'yes' if d['identical_to_ar'] else 'NO: ' + str(d['mismatch'])}")
     b = r["bounds"]
+    if s.get("adaptive_widths"):
+        for key in ("oracle_adaptive", "draft_adaptive"):
+            used = ", ".join(f"{w}: {n}" for w, n in e[key]["widths"].items())
+            lines.append(f"  {key.replace('_', ' ')}: rounds per verify width {{{used}}} "
+                         f"(widths offered {s['adaptive_widths']} and the block)")
+    if s.get("mesh"):
+        lines.append(f"  sharded over the mesh {s['mesh']}")
     lines += [
         "  (tokens: decoded by the loop, all rows; loops: decode-loop iterations; tok/round: tokens per row-round)",
         "  (bound: tokens/round x t(AR step) / t(verify) for the oracle, which has no draft cost;",
