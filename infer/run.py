@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
+
+import jax
 
 from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer, tokenizer_dir
 from dflash_jax.engine.decoder import Decoder, decode_continuation, encode_conversation, stop_tokens_of
@@ -185,7 +188,11 @@ def generate_main(args: argparse.Namespace) -> int:
     ids += id_prompts
     prompts += [f"ids:{','.join(map(str, p))}" for p in id_prompts]
 
-    on_tokens = TextStream(tokenizer, ids[0]) if args.stream and not args.json else None
+    # Several processes (--coordinator ...) all run the same program, reading results through collectives,
+    # so every process streams the same way; only process 0 prints.
+    primary = jax.process_index() == 0
+    sink = None if primary else open(os.devnull, "w")
+    on_tokens = TextStream(tokenizer, ids[0], out=sink) if args.stream and not args.json else None
     dflash = None
     if decoder.has_draft:
         dflash = decoder.generate(ids, args.max_new_tokens, sampling, stops, seed=args.seed, on_tokens=on_tokens)
@@ -195,6 +202,8 @@ def generate_main(args: argparse.Namespace) -> int:
     if args.baseline or not decoder.has_draft:
         baseline = decoder.generate(ids, args.max_new_tokens, sampling, stops, baseline=True, seed=args.seed,
                                     on_tokens=None if dflash else on_tokens)
+    if not primary:
+        return 0
     main_result = dflash or baseline
     summary = summarize(dflash, baseline)
     rows = []

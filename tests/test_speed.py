@@ -16,7 +16,8 @@ COMPONENTS = ("ar_step", "verify", "draft", "round", "ar_round")
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("speed") / "speed.json"
     rc = main(["--preset", "tiny", "--batch", str(BATCH), "--block-size", str(BLOCK), "--context", "8",
-               "--new-tokens", str(NEW), "--tau", str(TAU), "--repeats", "2", "--json", str(path)])
+               "--new-tokens", str(NEW), "--tau", str(TAU), "--repeats", "2", "--adaptive", "1,2",
+               "--json", str(path)])
     assert rc == 0
     return json.loads(path.read_text())
 
@@ -46,6 +47,33 @@ def test_oracle_accepts_exactly_tau_and_outputs_match(report):
     assert oracle["identical_to_ar"] and oracle["mismatch"] is None
     assert report["e2e"]["draft"]["identical_to_ar"]
     assert report["e2e"]["autoregressive"]["tokens_per_round"] == 1.0
+
+
+def test_adaptive_modes_are_lossless_and_report_their_widths(report):
+    assert report["settings"]["adaptive_widths"] == [1, 2]
+    for mode in ("oracle_adaptive", "draft_adaptive"):
+        e = report["e2e"][mode]
+        assert e["identical_to_ar"] and e["decoded_tokens"] == BATCH * (NEW - 1), mode
+        assert set(e["widths"]) <= {"1", "2", str(BLOCK)} and sum(e["widths"].values()) == e["rounds"], e["widths"]
+        assert all(a <= TAU for row in e["accept_lengths"] for a in row), mode
+
+
+def test_sharded_speed_run_on_fake_devices(tmp_path):
+    """``--cpu-devices 2 --mesh tensor=2`` in a fresh process (the device count is fixed at start-up)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "speed.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "infer", "speed", "--preset", "tiny", "--block-size", str(BLOCK), "--context", "8",
+         "--new-tokens", "6", "--tau", "2", "--repeats", "1", "--cpu-devices", "2", "--mesh", "tensor=2",
+         "--json", str(path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(path.read_text())
+    assert report["settings"]["mesh"]["tensor"] == 2
+    assert report["machine"]["num_devices"] == 2
+    assert all(report["e2e"][m]["identical_to_ar"] for m in ("oracle", "draft"))
+    assert "sharded over the mesh" in proc.stdout
 
 
 def test_report_records_settings_and_machine(report):

@@ -446,7 +446,12 @@ def _width_costs(pre_c: Any, loop_c: Any, target_params: dict, proposer_inputs: 
             lambda: loop_c(target_params, consts, state, jnp.int32(adaptive.CALIBRATION_ROUNDS)))
         return seconds, int(to_host(state.step))
 
-    return adaptive.calibrate(widths, run_rounds)
+    costs = adaptive.calibrate(widths, run_rounds)
+    if jax.process_count() > 1:  # every process must take the same widths: process 0's timings decide
+        from jax.experimental import multihost_utils
+
+        costs = np.asarray(multihost_utils.broadcast_one_to_all(costs), np.float32)
+    return costs
 
 
 def _with_costs(state: LoopState, costs: np.ndarray | None) -> LoopState:
