@@ -104,19 +104,23 @@ def next_phase(policy: Policy, widths: tuple[int, ...]) -> tuple[jax.Array, Poli
     """Index of the next phase's width: the most expected tokens per unit of time after a drafting phase.
     Autoregressive phases observe nothing, so after them the choice is a schedule: another one, until
     ``probe_gap`` have passed, then a one-round probe at the best drafting width. A probe that accepts less
-    than PROBE_ACCEPTS drafts per row doubles the gap (up to MAX_PROBE_GAP), any other resets it to 1, so a
+    than PROBE_ACCEPTS drafts per row goes straight back to autoregressive rounds and doubles the gap (up to
+    MAX_PROBE_GAP); any other resets it to 1 and lets the expected rate choose, so a
     text that turns predictable brings drafting back within a few phases and a hopeless one costs a probe
     every MAX_PROBE_GAP blocks of rounds. ``forced`` >= 0 overrides everything."""
     rate = expected_tokens(policy.stats, widths) / policy.costs
     best = jnp.argmax(rate).astype(jnp.int32)
     if widths[0] != 1:
         return jnp.where(policy.forced >= 0, policy.forced, best), policy
-    gap = jnp.where(policy.probing, jnp.where(policy.accepted < PROBE_ACCEPTS,
-                                              jnp.minimum(2 * policy.probe_gap, MAX_PROBE_GAP), 1), policy.probe_gap)
+    failed = policy.probing & (policy.accepted < PROBE_ACCEPTS)
+    gap = jnp.where(policy.probing, jnp.where(failed, jnp.minimum(2 * policy.probe_gap, MAX_PROBE_GAP), 1),
+                    policy.probe_gap)
     after_ar = policy.last_width == 1
     probe = after_ar & (policy.ar_phases >= gap)
     best_drafting = 1 + jnp.argmax(rate[1:]).astype(jnp.int32)
-    choice = jnp.where(after_ar, jnp.where(probe, best_drafting, 0), best)
+    # After autoregressive phases: wait or probe. After a failed probe: straight back to autoregressive rounds
+    # (one round of evidence must not be outvoted by the optimistic prior of the positions it did not reach).
+    choice = jnp.where(after_ar, jnp.where(probe, best_drafting, 0), jnp.where(failed, 0, best))
     choice = jnp.where(policy.forced >= 0, policy.forced, choice)
     plain = choice == 0
     return choice, policy._replace(ar_phases=jnp.where(plain, policy.ar_phases + 1, 0), probe_gap=gap,
