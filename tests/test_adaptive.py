@@ -58,11 +58,12 @@ def test_cost_decides_between_widths():
 
 def test_probe_schedule_backs_off_and_resets():
     """After autoregressive phases: a probe once probe_gap phases passed; a failed probe doubles the gap (up
-    to MAX_PROBE_GAP), an accepted one resets it."""
+    to MAX_PROBE_GAP), an accepted one resets it."""  # (starting from a gap of 1, as after an accepted probe)
     widths = (1, 4, 8)
     hopeless = jnp.asarray([[20.0] * 7, [0.0] * 7])
     policy = adaptive.initial_policy(8, 3)._replace(stats=hopeless, costs=jnp.asarray([0.5, 0.8, 1.0]),
-                                                    last_width=jnp.int32(8), ar_phases=jnp.int32(0))
+                                                    last_width=jnp.int32(8), ar_phases=jnp.int32(0),
+                                                    probe_gap=jnp.int32(1))
     choices = []
     for _ in range(40):
         choice, policy = adaptive.next_phase(policy, widths)

@@ -161,7 +161,7 @@ def test_adaptive_autoregressive_phases_are_lossless_and_probe_again(long_setup)
     """With width 1 allowed and a round of the full block costing 3 autoregressive steps: rejected drafts
     switch to autoregressive phases (blocks of rounds with no draft forward, the recorded proposals are
     zeros; the draft's context is filed when drafting resumes). The opening one-round probe fails, so decoding
-    goes autoregressive at once; probes come after 2, then 4 autoregressive phases (each failure doubles the
+    goes autoregressive at once; probes come after 1, then 2 autoregressive phases (each failure doubles the
     gap), and once a probe is accepted, drafting comes back up to the full block. The output still equals the
     baseline."""
     ar = long_setup[-1]
@@ -171,8 +171,8 @@ def test_adaptive_autoregressive_phases_are_lossless_and_probe_again(long_setup)
     for widths, accept in zip(out.widths, out.accept_lengths):
         runs = runs_of(widths)
         assert runs[0] == (8, 1), runs  # the opening probe fails: straight to autoregressive rounds
-        assert runs[1] == (1, 2 * BLOCK) and runs[2][1] == 1 and runs[3] == (1, 4 * BLOCK), runs
-        probe = 1 + 6 * BLOCK + 1  # past the rejected stretch (24 one-token rounds)
+        assert runs[1] == (1, BLOCK) and runs[2][1] == 1 and runs[3] == (1, 2 * BLOCK), runs
+        probe = 1 + 3 * BLOCK + 1  # past the rejected stretch (24 one-token rounds)
         assert widths[probe] > 1 and accept[probe] == widths[probe], (widths, accept)
         assert 8 in widths[probe + 1:] and accept[widths.index(8, probe + 1)] == 8, (widths, accept)
 

@@ -68,10 +68,11 @@ def verify_widths(adaptive_widths: tuple[int, ...], block: int) -> tuple[int, ..
 def initial_policy(block: int, num_widths: int) -> Policy:
     """Nothing observed yet: decoding starts as if after an autoregressive phase, with a one-round probe at
     the width the optimistic prior favours (the full block unless it is much dearer), so a text the draft
-    cannot follow costs one drafting round, not a phase."""
+    cannot follow costs one drafting round, not a phase (and, failing, one autoregressive phase before the
+    next probe: the gap starts at 0, so the first failure only raises it to 1)."""
     return Policy(stats=jnp.zeros((2, max(block - 1, 1)), jnp.float32), costs=jnp.ones((num_widths,), jnp.float32),
                   forced=jnp.int32(-1), last_width=jnp.int32(1), ar_phases=jnp.int32(1),
-                  probe_gap=jnp.int32(1), probing=jnp.bool_(False), accepted=jnp.float32(0))
+                  probe_gap=jnp.int32(0), probing=jnp.bool_(False), accepted=jnp.float32(0))
 
 
 def observe(policy: Policy, accepted: jax.Array, width: int, active: jax.Array) -> Policy:
@@ -113,7 +114,7 @@ def next_phase(policy: Policy, widths: tuple[int, ...]) -> tuple[jax.Array, Poli
     if widths[0] != 1:
         return jnp.where(policy.forced >= 0, policy.forced, best), policy
     failed = policy.probing & (policy.accepted < PROBE_ACCEPTS)
-    gap = jnp.where(policy.probing, jnp.where(failed, jnp.minimum(2 * policy.probe_gap, MAX_PROBE_GAP), 1),
+    gap = jnp.where(policy.probing, jnp.where(failed, jnp.clip(2 * policy.probe_gap, 1, MAX_PROBE_GAP), 1),
                     policy.probe_gap)
     after_ar = policy.last_width == 1
     probe = after_ar & (policy.ar_phases >= gap)
