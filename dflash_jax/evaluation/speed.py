@@ -533,7 +533,8 @@ def format_report(r: dict, title: str = "") -> str:
         f"{'speedup':>8s} {'bound':>7s} {'meas/bound':>10s}  same as AR",
     ]
     names = {"autoregressive": "autoregressive", "oracle": f"DFlash, oracle tau={tau}",
-             "draft": "DFlash, the draft", "oracle_adaptive": "  adaptive widths", "draft_adaptive": "  adaptive widths"}
+             "draft": "DFlash, the draft", "oracle_adaptive": "  adaptive widths",
+             "draft_adaptive": "  adaptive widths"}
     order = ("autoregressive", "oracle", "oracle_adaptive", "draft", "draft_adaptive")
     for key in (k for k in order if k in e):
         d = e[key]
