@@ -249,20 +249,30 @@ def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings,
     block = proposer.block_size
     widths = adaptive.verify_widths(settings.adaptive_widths, block)
 
-    def phase(width: int, rounds: jax.Array, s: LoopState) -> LoopState:
-        if width == 1:  # file the pending features now: the rounds refill the context slot by slot
-            pstate = proposer.ingest(proposer_consts, s.proposer, *s.ctx)
-            s = s._replace(proposer=pstate, ctx=(s.ctx[0], s.ctx[1], jnp.zeros_like(s.ctx[2])))
-        s, _ = jax.lax.while_loop(
-            lambda c: cond(c[0]) & (c[1] < rounds),
-            lambda c: (round_(c[0], width=width, ar_slot=c[1]), c[1] + 1),
-            (s, jnp.int32(0)))
-        return s._replace(policy=s.policy._replace(last_width=jnp.int32(width)))
+    def file_context(s: LoopState) -> LoopState:
+        pstate = proposer.ingest(proposer_consts, s.proposer, *s.ctx)
+        return s._replace(proposer=pstate, ctx=(s.ctx[0], s.ctx[1], jnp.zeros_like(s.ctx[2])))
 
     def next_phase(s: LoopState) -> LoopState:
+        # One while_loop per width in sequence, all but the chosen one running zero rounds. (A lax.switch
+        # between the loops made XLA copy every KV cache on entering a phase and, in the autoregressive
+        # branch, in every round.)
         choice, policy = adaptive.next_phase(s.policy, widths)
-        branches = [functools.partial(phase, w, adaptive.phase_rounds(w, block, s.policy.last_width)) for w in widths]
-        return jax.lax.switch(choice, branches, s._replace(policy=policy))
+        s = s._replace(policy=policy)
+        for index, width in enumerate(widths):
+            chosen = choice == index
+            if width == 1 and proposer.feature_layers:
+                # File the pending features now: the autoregressive rounds refill the context slot by slot.
+                # (A while_loop of 0 or 1 trips: only an autoregressive phase pays for the draft's write.)
+                s, _ = jax.lax.while_loop(lambda c, chosen=chosen: chosen & (c[1] < 1),
+                                          lambda c: (file_context(c[0]), c[1] + 1), (s, jnp.int32(0)))
+            rounds = jnp.where(chosen, adaptive.phase_rounds(width, block, s.policy.last_width), 0)
+            s, _ = jax.lax.while_loop(
+                lambda c, rounds=rounds: cond(c[0]) & (c[1] < rounds),
+                lambda c, width=width: (round_(c[0], width=width, ar_slot=c[1]), c[1] + 1),
+                (s, jnp.int32(0)))
+        width = jnp.asarray(widths, jnp.int32)[choice]
+        return s._replace(policy=s.policy._replace(last_width=width))
 
     return jax.lax.while_loop(cond, next_phase, state)
 
