@@ -51,9 +51,14 @@ def test_cost_decides_between_widths():
     cheap_block = adaptive.next_phase(adaptive.initial_policy(4, 3)._replace(
         stats=stats, costs=jnp.asarray([1.0, 1.0, 1.0]), last_width=jnp.int32(4)), widths)[0]
     assert int(cheap_block) == 2  # same cost: the most tokens
-    dear_block = adaptive.next_phase(adaptive.initial_policy(4, 3)._replace(
-        stats=stats, costs=jnp.asarray([1.0, e[1] / 0.9, e[2] / 0.9]), last_width=jnp.int32(4)), widths)[0]
-    assert int(dear_block) == 0  # every drafting width below one token per autoregressive step
+    def choice(rate, last_width):  # every drafting width at ``rate`` tokens per autoregressive step's time
+        return int(adaptive.next_phase(adaptive.initial_policy(4, 3)._replace(
+            stats=stats, costs=jnp.asarray([1.0, e[1] / rate, e[2] / rate]), last_width=jnp.int32(last_width)),
+            widths)[0])
+
+    assert choice(0.8, 4) == 0  # clearly below one token per step: autoregressive
+    assert choice(0.95, 4) == 2  # a little below: the current width stays (hysteresis) ...
+    assert choice(0.95, 2) == 1  # ... whichever it is
 
 
 def test_probe_schedule_backs_off_and_resets():

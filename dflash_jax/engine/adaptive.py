@@ -34,6 +34,8 @@ DECAY = 0.9
 # Prior on every conditional acceptance rate, worth PRIOR_WEIGHT observed rounds.
 PRIOR_P = 0.9
 PRIOR_WEIGHT = 1.0
+# A width must promise this much more than the current one (relative) to replace it.
+HYSTERESIS = 0.15
 # Rounds per drafting phase; the first drafting phase after autoregressive ones is a single probe round.
 # An autoregressive phase lasts one block of rounds: its features fill exactly one round context.
 DRAFT_PHASE = 4
@@ -110,6 +112,9 @@ def next_phase(policy: Policy, widths: tuple[int, ...]) -> tuple[jax.Array, Poli
     text that turns predictable brings drafting back within a few phases and a hopeless one costs a probe
     every MAX_PROBE_GAP blocks of rounds. ``forced`` >= 0 overrides everything."""
     rate = expected_tokens(policy.stats, widths) / policy.costs
+    # Stay with the current width unless another is clearly better: the estimate is noisy, and a wrong switch
+    # to autoregressive rounds costs a whole phase of them.
+    rate = rate * jnp.where(jnp.asarray(widths) == policy.last_width, 1.0 + HYSTERESIS, 1.0)
     best = jnp.argmax(rate).astype(jnp.int32)
     if widths[0] != 1:
         return jnp.where(policy.forced >= 0, policy.forced, best), policy

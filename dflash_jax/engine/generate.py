@@ -209,8 +209,8 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
     if features is None:
         ctx = s.ctx
     elif width == 1:
-        ctx = (s.ctx[0].at[:, ar_slot].set(features[:, 0]), s.ctx[1].at[:, ar_slot].set(s.start),
-               s.ctx[2].at[:, ar_slot].set(active))
+        ctx = tuple(jax.lax.dynamic_update_slice_in_dim(old, new, ar_slot, axis=1)
+                    for old, new in zip(s.ctx, (features, s.start[:, None], active[:, None])))
     else:
         ctx = (jnp.pad(features, ((0, 0), (0, block - width), (0, 0))), positions,
                (idx <= a[:, None]) & active[:, None])
