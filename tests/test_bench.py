@@ -132,6 +132,12 @@ def test_summary_metrics_by_hand():
     assert s["acceptance_histogram"] == [2, 0, 1, 2]
     assert s["identical"] == pytest.approx(2 / 3)
     assert summarize_dataset(rows, 4, greedy=False)["identical"] is None
+    assert "rounds_per_width" not in s  # fixed block: nothing to count
+    rows[0]["widths"], rows[1]["widths"], rows[2]["widths"] = [4, 1, 4, 1], [2], []
+    adaptive = summarize_dataset(rows, 4, greedy=True)
+    assert adaptive["rounds_per_width"] == {"1": 2, "2": 1, "4": 2}
+    table = markdown_table({"settings": {"temperature": 0.0}, "summary": {"gsm8k": adaptive}, "mean": {}})
+    assert table.splitlines()[-1] == "Adaptive block size, rounds per verify width: gsm8k 1: 2, 2: 1, 4: 2"
 
 
 # ---------------------------------------------------------------------------------------------------------

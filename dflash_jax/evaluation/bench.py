@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -76,6 +77,9 @@ def summarize_dataset(rows: list[dict], block_size: int, greedy: bool) -> dict:
         "tpot_baseline_ms": tpot_base,
         "tpot_dflash_ms": tpot_dflash,
         "acceptance_histogram": hist,  # counts of acceptance lengths 1..block_size
+        # adaptive block size: rounds taken at each verify width
+        **({"rounds_per_width": {str(w): n for w, n in sorted(Counter(
+            w for r in done for w in r["widths"]).items())}} if any("widths" in r for r in done) else {}),
         "output_tokens": sum(r["dflash"]["tokens"] for r in done),
         "identical": _mean([float(r["identical"]) for r in done]) if greedy else None,
     }
@@ -196,6 +200,7 @@ def run_bench(
                         "baseline": _run_row(base),
                         "dflash": _run_row(flash),
                         "accept_lengths": [int(a) for a in flash.accept_lengths[0]],
+                        **({"widths": [int(w) for w in flash.widths[0]]} if flash.widths is not None else {}),
                         "identical": (flash.tokens[0] == base.tokens[0]) if greedy else None,
                     })
                     ds_rows.append(row)
@@ -242,6 +247,10 @@ def markdown_table(results: dict) -> str:
     if len(results["summary"]) > 1:
         m = results["mean"]
         lines.append(f"| mean | | {_fmt(m['tau'], '.2f')} | {_fmt(m['speedup'], '.2f', 'x')} | | | |")
+    widths = {name: s["rounds_per_width"] for name, s in results["summary"].items() if "rounds_per_width" in s}
+    if widths:
+        lines += ["", "Adaptive block size, rounds per verify width: " + "; ".join(
+            f"{name} " + ", ".join(f"{w}: {n}" for w, n in counts.items()) for name, counts in widths.items())]
     return "\n".join(lines)
 
 
