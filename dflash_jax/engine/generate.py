@@ -302,6 +302,7 @@ class GenerationResult:
     compile_s: float
     drafts: list[np.ndarray] | None = None  # per row [rounds, K] when recorded
     widths: list[list[int]] | None = None  # per row, verify width of every round (adaptive widths only)
+    width_costs: list[float] | None = None  # relative round time of each verify width the choice used
 
     @property
     def num_tokens(self) -> int:
@@ -542,4 +543,6 @@ def generate(
 
     t0 = time.perf_counter()
     state = _decode(loop_c, target_params, consts, state, settings.max_new_tokens, on_tokens, chunk_rounds)
-    return _result(state, settings, prefill_s, time.perf_counter() - t0, compile_s)
+    result = _result(state, settings, prefill_s, time.perf_counter() - t0, compile_s)
+    result.width_costs = None if costs is None else [float(c) for c in costs]
+    return result

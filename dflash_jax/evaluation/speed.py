@@ -454,6 +454,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         if run.first.widths is not None:
             d["widths"] = dict(zip(*map(list, np.unique(np.concatenate(run.first.widths), return_counts=True))))
             d["widths"] = {int(k): int(v) for k, v in d["widths"].items()}
+            d["width_costs"] = run.first.width_costs
         d["speedup"] = ar.decode_s / run.decode_s
         mismatch = first_difference(run.first.tokens, ar.first.tokens)
         d["identical_to_ar"] = mismatch is None
@@ -548,8 +549,9 @@ def format_report(r: dict, title: str = "") -> str:
     if s.get("adaptive_widths"):
         for key in ("oracle_adaptive", "draft_adaptive"):
             used = ", ".join(f"{w}: {n}" for w, n in e[key]["widths"].items())
+            costs = ", ".join(f"{c:.2f}" for c in e[key]["width_costs"])
             lines.append(f"  {key.replace('_', ' ')}: rounds per verify width {{{used}}} "
-                         f"(widths offered {s['adaptive_widths']} and the block)")
+                         f"(widths offered {s['adaptive_widths']} and the block; measured round costs {costs})")
     if s.get("mesh"):
         lines.append(f"  sharded over the mesh {s['mesh']}")
     lines += [
