@@ -41,9 +41,8 @@ HYSTERESIS = 0.15
 DRAFT_PHASE = 4
 PROBE_PHASE = 1
 # Autoregressive phases before a probe: 1, doubled (up to MAX_PROBE_GAP) after every probe whose round
-# accepted fewer than PROBE_ACCEPTS drafts per row.
+# committed fewer tokens per unit of time than autoregressive rounds would have.
 MAX_PROBE_GAP = 8
-PROBE_ACCEPTS = 0.5
 # Rounds timed per width by ``calibrate`` (best of CALIBRATION_REPEATS runs).
 CALIBRATION_ROUNDS = 32
 CALIBRATION_REPEATS = 3
@@ -106,9 +105,10 @@ def expected_tokens(stats: jax.Array, widths: tuple[int, ...]) -> jax.Array:
 def next_phase(policy: Policy, widths: tuple[int, ...]) -> tuple[jax.Array, Policy]:
     """Index of the next phase's width: the most expected tokens per unit of time after a drafting phase.
     Autoregressive phases observe nothing, so after them the choice is a schedule: another one, until
-    ``probe_gap`` have passed, then a one-round probe at the best drafting width. A probe that accepts less
-    than PROBE_ACCEPTS drafts per row goes straight back to autoregressive rounds and doubles the gap (up to
-    MAX_PROBE_GAP); any other resets it to 1 and lets the expected rate choose, so a
+    ``probe_gap`` have passed, then a one-round probe at the best drafting width. A probe whose round committed
+    fewer tokens per unit of time than autoregressive rounds (``(accepted + 1) / cost(width) < 1 / cost(1)``)
+    goes straight back to autoregressive rounds and doubles the gap (up to MAX_PROBE_GAP); one that beat
+    them resets it to 1 and lets the expected rate choose, so a
     text that turns predictable brings drafting back within a few phases and a hopeless one costs a probe
     every MAX_PROBE_GAP blocks of rounds. ``forced`` >= 0 overrides everything."""
     rate = expected_tokens(policy.stats, widths) / policy.costs
@@ -118,7 +118,8 @@ def next_phase(policy: Policy, widths: tuple[int, ...]) -> tuple[jax.Array, Poli
     best = jnp.argmax(rate).astype(jnp.int32)
     if widths[0] != 1:
         return jnp.where(policy.forced >= 0, policy.forced, best), policy
-    failed = policy.probing & (policy.accepted < PROBE_ACCEPTS)
+    probe_cost = jnp.sum(jnp.where(jnp.asarray(widths) == policy.last_width, policy.costs, 0.0))
+    failed = policy.probing & ((policy.accepted + 1.0) * policy.costs[0] < probe_cost)
     gap = jnp.where(policy.probing, jnp.where(failed, jnp.clip(2 * policy.probe_gap, 1, MAX_PROBE_GAP), 1),
                     policy.probe_gap)
     after_ar = policy.last_width == 1
