@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.engine import adaptive
 from dflash_jax.engine.decoder import Decoder
 from dflash_jax.engine.generate import DecodeSettings, jitted_functions, generate
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
@@ -147,13 +148,16 @@ def test_adaptive_block_size_is_lossless_and_follows_acceptance(long_setup):
     then accepts at most that width even where the proposals would have matched further), and once the
     narrow rounds accept everything the engine goes back to the full block."""
     ar = long_setup[-1]
-    out = oracle_run(long_setup, [[1] * 8 + [8] * 20] * 3, max_new=LONG, adaptive=(2, 4), costs=(0.5, 0.7, 1.0))
+    phase = adaptive.DRAFT_PHASE
+    out = oracle_run(long_setup, [[1] * (phase + 4) + [8] * 20] * 3, max_new=LONG, adaptive=(2, 4),
+                     costs=(0.5, 0.7, 1.0))
     check_widths(out, ar)
     for widths, accept in zip(out.widths, out.accept_lengths):
-        assert widths[:5] == [8] * 5 and accept[:5] == [1] * 5
-        assert widths[5] < 8, widths  # five rejections of position 1: not worth verifying the whole block
-        assert all(n % 4 == 0 for _, n in runs_of(widths)[1:-1]), widths  # drafting phases of 4 rounds
-        back = widths.index(8, 5)  # the full block again ...
+        first = 1 + phase  # the opening probe and one phase
+        assert widths[:first] == [8] * first and accept[:first] == [1] * first
+        assert widths[first] < 8, widths  # rejections of position 1: not worth verifying the whole block
+        assert all(n % phase == 0 for _, n in runs_of(widths)[1:-1]), widths  # whole drafting phases
+        back = widths.index(8, first)  # the full block again ...
         assert accept[back] == 8, (widths, accept)  # ... accepting all of it
 
 

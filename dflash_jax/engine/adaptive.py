@@ -38,7 +38,7 @@ PRIOR_WEIGHT = 1.0
 HYSTERESIS = 0.15
 # Rounds per drafting phase; the first drafting phase after autoregressive ones is a single probe round.
 # An autoregressive phase lasts one block of rounds: its features fill exactly one round context.
-DRAFT_PHASE = 4
+DRAFT_PHASE = 8
 PROBE_PHASE = 1
 # Autoregressive phases before a probe: 1, doubled (up to MAX_PROBE_GAP) after every probe whose round
 # committed fewer tokens per unit of time than autoregressive rounds would have.
