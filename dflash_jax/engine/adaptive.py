@@ -1,20 +1,23 @@
 """Adaptive block size (beyond the paper): how many tokens each phase of rounds verifies.
 
-The decode loop runs in *phases*: a few rounds at one static width, chosen between phases by ``choose``. A
-phase is a ``lax.while_loop`` of ordinary rounds inside one branch of a ``lax.switch``, so a round costs what
-a fixed-width round costs and the switch is paid once per phase, not per round. Width 1 is a plain
-autoregressive phase: no draft forward; the target's features of its tokens are gathered in the round
-context and filed into the draft's cache in one write when drafting resumes.
+The decode loop runs in *phases*: a few rounds at one static width, chosen between phases by
+``next_phase``. A phase runs one ``lax.while_loop`` of ordinary rounds per width in sequence, all but the
+chosen one for zero rounds, so a round costs what a fixed-width round costs. (A ``lax.switch`` between the
+loops made XLA:CPU copy every KV cache on entering a phase.) Width 1 is a plain autoregressive phase: no
+draft forward; the target's features of its tokens are gathered in the round context and filed into the
+draft's cache in one write when drafting resumes.
 
 The choice maximises expected tokens per unit of time:
 
 - expected tokens of width ``w``: ``1 + sum_{k<w} prod_{j<=k} p_j``, with ``p_j`` the batch's recent rate of
   accepting draft position ``j`` given position ``j - 1`` was accepted (exponentially decayed counts; a
   verified prefix only observes its own positions), shrunk towards an optimistic prior ``PRIOR_P`` so that
-  positions not verified for a while (or at all, during autoregressive phases) look promising again: that is
-  what makes the engine probe drafting again after it gave up on it;
+  positions not verified for a while look promising again;
 - time of a round of width ``w``: ``costs[w]``, measured on the device for the compiled program (``calibrate``)
   or given by the caller (``DecodeSettings.width_costs``).
+
+Autoregressive phases observe nothing: after them, one-round probes at the best drafting width follow a
+back-off schedule (``next_phase``).
 
 Everything is lossless by construction: a phase only changes how many proposals are verified, never how.
 """
