@@ -1,6 +1,7 @@
-"""Shared test settings: fp32 CPU JAX, and the location of the shared real test data."""
+"""Shared test settings: fp32 CPU JAX, the location of the shared real test data, a free local port."""
 
 import os
+import socket
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -19,6 +20,13 @@ def shared_file(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"shared test data not available: {path.name}")
     return path
+
+
+def free_port() -> int:
+    """A free localhost port (for a jax.distributed coordinator in multi-process tests)."""
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
 
 
 def pytest_configure(config):

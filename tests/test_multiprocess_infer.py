@@ -4,7 +4,6 @@ process 0 prints, and tokens and acceptance lengths equal a single-process run."
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,15 +11,11 @@ from pathlib import Path
 import pytest
 
 from cli_tiny import write_tiny_pair
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["5,17,9,33,2,41", "7,7,8,19,23,4,4,60,11,3,27"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ processes with ``jax.distributed`` match one, SIGTERM saves and stops, and bad i
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from cli_tiny import write_tiny_pair
+from conftest import free_port
 from train.__main__ import main as train_main
 from train_tiny import write_text_rows
 
@@ -87,11 +87,6 @@ def test_resume_under_changed_settings_is_refused(tiny):
     err = again.stderr.strip().splitlines()[-1]
     assert err.startswith("error:") and "num_anchors: 6 -> 5" in err and str(out) in err
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_match_one(tiny):
