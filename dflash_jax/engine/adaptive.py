@@ -24,8 +24,8 @@ Everything is lossless by construction: a phase only changes how many proposals 
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, NamedTuple
+from collections import Counter
+from typing import Callable, Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -158,7 +158,6 @@ def calibrate(widths: tuple[int, ...], run_rounds: Callable[[int], tuple[float, 
     return (costs / costs[-1]).astype(np.float32)
 
 
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    return time.perf_counter() - t0, out
+def rounds_per_width(widths: Iterable[Iterable[int]]) -> dict[int, int]:
+    """How many rounds ran at each verify width, from per-row (or per-answer) width logs."""
+    return dict(sorted(Counter(int(w) for row in widths for w in row).items()))

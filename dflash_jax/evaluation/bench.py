@@ -14,12 +14,12 @@ import json
 import math
 import os
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from dflash_jax.engine.adaptive import rounds_per_width
 from dflash_jax.engine.decoder import encode_conversation
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
@@ -78,8 +78,8 @@ def summarize_dataset(rows: list[dict], block_size: int, greedy: bool) -> dict:
         "tpot_dflash_ms": tpot_dflash,
         "acceptance_histogram": hist,  # counts of acceptance lengths 1..block_size
         # adaptive block size: rounds taken at each verify width
-        **({"rounds_per_width": {str(w): n for w, n in sorted(Counter(
-            w for r in done for w in r["widths"]).items())}} if any("widths" in r for r in done) else {}),
+        **({"rounds_per_width": {str(w): n for w, n in rounds_per_width(r["widths"] for r in done).items()}}
+           if any("widths" in r for r in done) else {}),
         "output_tokens": sum(r["dflash"]["tokens"] for r in done),
         "identical": _mean([float(r["identical"]) for r in done]) if greedy else None,
     }

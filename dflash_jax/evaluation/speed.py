@@ -40,6 +40,7 @@ import numpy as np
 
 from dflash_jax.checkpoints.hf_target import abstract_target_params
 from dflash_jax.checkpoints.official_draft import abstract_draft_params
+from dflash_jax.engine.adaptive import rounds_per_width
 from dflash_jax.engine.generate import (
     DecodeSettings, GenerationResult, jitted_functions, decode_round, generate, prompt_width, cache_slots,
 )
@@ -452,8 +453,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         kind = None if run.name == "autoregressive" else "without_draft" if "oracle" in run.name else "with_draft"
         d = run.to_dict()
         if run.first.widths is not None:
-            d["widths"] = dict(zip(*map(list, np.unique(np.concatenate(run.first.widths), return_counts=True))))
-            d["widths"] = {int(k): int(v) for k, v in d["widths"].items()}
+            d["widths"] = rounds_per_width(run.first.widths)
             d["width_costs"] = run.first.width_costs
         d["speedup"] = ar.decode_s / run.decode_s
         mismatch = first_difference(run.first.tokens, ar.first.tokens)
