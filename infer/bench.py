@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                         help="feed the raw conversation text (turns joined by blank lines) instead of the "
                              "tokenizer's chat template (the paper uses the template, thinking off)")
+    parser.add_argument("--replay", action="store_true",
+                        help="with --adaptive including 1, greedy: also replay width schedules offline on every "
+                             "answer (the draft's teacher-forced acceptance at each position, the measured round "
+                             "costs): full block, the adaptive policy, and the best schedule knowing every round's "
+                             "acceptance in advance, as speedups over autoregressive rounds (results.md, "
+                             "summary.<dataset>.replay in results.json)")
     return parser
 
 
@@ -85,6 +91,10 @@ def bench_main(args: argparse.Namespace) -> int:
     if args.max_samples < 0:
         raise UsageError(f"--max-samples must be >= 0, got {args.max_samples}")
     sampling = sampling_of(args)
+    if args.replay and (1 not in args.adaptive or not sampling.greedy):
+        raise UsageError("--replay needs --adaptive with width 1 (e.g. --adaptive 1,2,4) and greedy decoding "
+                         f"(--temperature 0); got --adaptive {','.join(map(str, args.adaptive)) or '(none)'}, "
+                         f"--temperature {sampling.temperature}")
     prompts_dir = Path(args.prompts_dir)
     # Read every prompt file before loading any model, so a bad file fails fast.
     datasets = {}
@@ -104,7 +114,7 @@ def bench_main(args: argparse.Namespace) -> int:
         "target": args.target, "draft": args.ckpt, "tokenizer": args.tokenizer, "dtype": args.dtype,
         "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature,
         "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": args.seed, "chat_template": args.chat_template,
-        "adaptive": list(args.adaptive), "mesh": args.mesh})
+        "adaptive": list(args.adaptive), "mesh": args.mesh, "replay": args.replay})
     resumed = sum(journal.finished(k, i, s) is not None for k, v in datasets.items() for i, s in enumerate(v))
     if resumed:
         print(f"bench: resuming, {resumed} finished sample(s) read from {journal.path} (delete it to measure "
@@ -115,7 +125,7 @@ def bench_main(args: argparse.Namespace) -> int:
           f"{decoder.block_size}, max_new_tokens {args.max_new_tokens}, temperature {sampling.temperature}",
           file=sys.stderr)
     results = run_bench(decoder, tokenizer, stops, datasets, args.max_new_tokens, sampling, args.seed,
-                        use_chat_template=args.chat_template, progress=True, journal=journal)
+                        use_chat_template=args.chat_template, progress=True, journal=journal, replay=args.replay)
     journal.close()
     meta = {"target": str(args.target), "draft": str(args.ckpt), "tokenizer": args.tokenizer,
             "dtype": args.dtype, "prompts_dir": str(prompts_dir), "datasets": names,

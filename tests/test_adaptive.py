@@ -49,12 +49,12 @@ def test_cost_decides_between_widths():
     widths = (1, 2, 4)
     e = np.asarray(adaptive.expected_tokens(stats, widths))
     cheap_block = adaptive.next_phase(adaptive.initial_policy(4, 3)._replace(
-        stats=stats, costs=jnp.asarray([1.0, 1.0, 1.0]), last_width=jnp.int32(4)), widths)[0]
+        stats=stats, costs=jnp.asarray([1.0, 1.0, 1.0]), last_width=jnp.int32(4)), widths, 4)[0]
     assert int(cheap_block) == 2  # same cost: the most tokens
     def choice(rate, last_width):  # every drafting width at ``rate`` tokens per autoregressive step's time
         return int(adaptive.next_phase(adaptive.initial_policy(4, 3)._replace(
             stats=stats, costs=jnp.asarray([1.0, e[1] / rate, e[2] / rate]), last_width=jnp.int32(last_width)),
-            widths)[0])
+            widths, 4)[0])
 
     assert choice(0.8, 4) == 0  # clearly below one token per step: autoregressive
     assert choice(0.95, 4) == 2  # a little below: the current width stays (hysteresis) ...
@@ -62,38 +62,46 @@ def test_cost_decides_between_widths():
 
 
 def test_probe_schedule_backs_off_and_resets():
-    """After autoregressive phases: a probe once probe_gap phases passed; a failed probe doubles the gap (up
-    to MAX_PROBE_GAP), an accepted one resets it."""  # (starting from a gap of 1, as after an accepted probe)
-    widths = (1, 4, 8)
+    """After a drafting round: autoregressive rounds until a probe is due (probe_gap blocks of them, as one
+    phase), then a one-round probe; a failed probe doubles the gap (up to MAX_PROBE_GAP), an accepted one
+    resets it."""  # (starting from a gap of 1, as after an accepted probe)
+    widths, block = (1, 4, 8), 8
     hopeless = jnp.asarray([[20.0] * 7, [0.0] * 7])
-    policy = adaptive.initial_policy(8, 3)._replace(stats=hopeless, costs=jnp.asarray([0.5, 0.8, 1.0]),
-                                                    last_width=jnp.int32(8), ar_phases=jnp.int32(0),
-                                                    probe_gap=jnp.int32(1))
-    choices = []
-    for _ in range(40):
-        choice, policy = adaptive.next_phase(policy, widths)
+    policy = adaptive.initial_policy(block, 3)._replace(stats=hopeless, costs=jnp.asarray([0.5, 0.8, 1.0]),
+                                                        last_width=jnp.int32(8), ar_blocks=jnp.int32(0),
+                                                        probe_gap=jnp.int32(1))
+    phases = []
+    for _ in range(12):
+        choice, rounds, policy = adaptive.next_phase(policy, widths, block)
         width = widths[int(choice)]
-        choices.append(width)
+        phases.append((min(width, 2), int(rounds)))  # 2: a drafting width (here the cheaper 4)
         if width > 1:  # a probe: it fails (accepts nothing)
             policy = adaptive.observe(policy, jnp.asarray([0]), width, jnp.asarray([True]))
         policy = policy._replace(last_width=jnp.int32(width))
-    probes = [i for i, w in enumerate(choices) if w > 1]
-    gaps = np.diff([-1] + probes) - 1
-    assert gaps.tolist()[:5] == [1, 2, 4, 8, 8], choices
-    # An accepted probe: the gap resets to one phase.
+    # Hopeless drafts: autoregressive rounds at once, then probes (one round each) after 1, 2, 4, 8, 8 blocks.
+    assert phases[:11] == [(1, block), (2, 1), (1, 2 * block), (2, 1), (1, 4 * block), (2, 1), (1, 8 * block),
+                           (2, 1), (1, 8 * block), (2, 1), (1, 8 * block)], phases
+    # An accepted probe: the gap resets to one block.
     policy = policy._replace(probing=jnp.bool_(True), accepted=jnp.float32(3.0), last_width=jnp.int32(4))
-    _, policy = adaptive.next_phase(policy, widths)
+    _, _, policy = adaptive.next_phase(policy, widths, block)
     assert int(policy.probe_gap) == 1
 
 
 def test_decoding_opens_with_a_one_round_probe_of_the_full_block():
     policy = adaptive.initial_policy(8, 3)._replace(costs=jnp.asarray([0.4, 0.8, 1.0]))
-    choice, policy = adaptive.next_phase(policy, (1, 4, 8))
+    choice, rounds, policy = adaptive.next_phase(policy, (1, 4, 8), 8)
     assert int(choice) == 2 and bool(policy.probing)
-    assert int(adaptive.phase_rounds(8, 8, jnp.int32(1))) == adaptive.PROBE_PHASE == 1
+    assert int(rounds) == adaptive.PROBE_PHASE == 1
+    # A drafting phase after it (accepted: the rates choose) lasts DRAFT_PHASE rounds.
+    policy = adaptive.observe(policy, jnp.asarray([7]), 8, jnp.asarray([True]))._replace(last_width=jnp.int32(8))
+    choice, rounds, _ = adaptive.next_phase(policy, (1, 4, 8), 8)
+    assert int(choice) == 2 and int(rounds) == adaptive.DRAFT_PHASE
 
 
 def test_forced_width_overrides_the_choice():
     policy = adaptive.initial_policy(8, 3)._replace(forced=jnp.int32(1))
-    assert int(adaptive.next_phase(policy, (1, 4, 8))[0]) == 1
-    assert int(adaptive.next_phase(policy, (2, 4, 8))[0]) == 1
+    assert int(adaptive.next_phase(policy, (1, 4, 8), 8)[0]) == 1
+    assert int(adaptive.next_phase(policy, (2, 4, 8), 8)[0]) == 1
+    # A forced autoregressive phase (calibration) is as long as the longest unforced one.
+    choice, rounds, _ = adaptive.next_phase(policy._replace(forced=jnp.int32(0)), (1, 4, 8), 8)
+    assert int(choice) == 0 and int(rounds) == adaptive.MAX_PROBE_GAP * 8

@@ -383,6 +383,34 @@ def test_bench_on_a_prompt_file(tmp_path):
     assert doc["summary"]["openings"]["identical"] == 1.0
 
 
+def test_bench_replay_of_width_schedules(tmp_path, capsys):
+    """--replay on the shipped demo pair: every turn keeps the teacher-forced acceptance of each position of
+    its answer and the measured round costs; replaying the adaptive policy on them takes the engine's own
+    widths; the best possible schedule is at least as fast as both the full block and the policy."""
+    import numpy as np
+
+    from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET
+    from dflash_jax.evaluation.replay import replay_adaptive
+
+    prompts = tmp_path / "openings.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                               ["Once upon a time, there was a little girl named Lily.", "Tom had a big red ball."]))
+    args = ["--target", str(DEMO_TARGET), "--ckpt", str(DEMO_DRAFT), "--prompt-file", str(prompts),
+            "--max-new-tokens", "40", "--no-chat-template", "--out", str(tmp_path / "out"), "--replay"]
+    assert bench_cli.main(args) == 2  # no --adaptive
+    assert "--replay needs --adaptive with width 1" in capsys.readouterr().err
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench_cli.main(args + ["--adaptive", "1,2,4"]) == 0
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    for turn in doc["turns"]:
+        acceptance, costs = np.asarray(turn["replay"]["acceptance"]), turn["replay"]["width_costs"]
+        assert len(acceptance) == turn["baseline"]["tokens"] and len(costs) == 4 and costs[-1] == 1.0
+        assert replay_adaptive(acceptance, (1, 2, 4, 8), costs, 8)[1] == turn["widths"]
+    replay = doc["summary"]["openings"]["replay"]
+    assert replay["best_possible"] >= max(replay["fixed"], replay["adaptive"]) > 0
+    assert "Replay on the teacher-forced acceptance" in (tmp_path / "out" / "results.md").read_text()
+
+
 # ------------------------------------------------------------------------------------------ kill and resume
 
 

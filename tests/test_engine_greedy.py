@@ -181,6 +181,37 @@ def test_adaptive_autoregressive_phases_are_lossless_and_probe_again(long_setup)
         assert 8 in widths[probe + 1:] and accept[widths.index(8, probe + 1)] == 8, (widths, accept)
 
 
+def test_draft_context_after_autoregressive_phases_equals_a_fresh_draft_forward(long_setup):
+    """After autoregressive stretches of 1, 2 and 4 blocks (AR rounds 100x cheaper than drafting, so every
+    probe fails and the gap doubles), each probe's proposals equal the draft run from scratch on the target's
+    features of everything before its anchor (``draft_logits``, no caches): the context the engine files
+    block by block, around the probes' own rounds, is exactly the verified text."""
+    from dflash_jax.engine.proposers import draft_logits
+    from dflash_jax.models.target import TargetModel
+
+    tc, tp, dc, dp, prompts, _, ar = long_setup
+    prop = DFlashProposer(dc, BLOCK)
+    shared = shared_head(tp, tc.tie_word_embeddings)
+    s = DecodeSettings(max_new_tokens=LONG, record_drafts=True, adaptive_widths=(1, 4), width_costs=(0.01, 0.8, 1.0))
+    out = generate(tc, tp, prompts, prop, prop.init(dp, shared, len(prompts), 16 + LONG + BLOCK), s)
+    check_widths(out, ar)
+    for b, (prompt, widths) in enumerate(zip(prompts, out.widths)):
+        runs = runs_of(widths)
+        assert [n for w, n in runs if w == 1][:3] == [BLOCK, 2 * BLOCK, 4 * BLOCK], runs
+        sequence = prompt + out.tokens[b]
+        features = TargetModel(tc).apply({"params": tp}, jnp.asarray([sequence]),
+                                         jnp.arange(len(sequence))[None], feature_layers=dc.target_layer_ids,
+                                         skip_logits=True).features
+        offsets = np.cumsum([0] + out.accept_lengths[b])
+        probes = [r for r, w in enumerate(widths) if w > 1 and r > 0]
+        assert len(probes) >= 3, runs
+        for r in probes:
+            anchor = len(prompt) + offsets[r]
+            logits = draft_logits(dc, dp, shared, features[:, :anchor], jnp.asarray([sequence[anchor]]), BLOCK)
+            np.testing.assert_array_equal(out.drafts[b][r], np.asarray(jnp.argmax(logits[0], axis=-1)),
+                                          err_msg=f"row {b} round {r}")
+
+
 def test_adaptive_calibration_measures_every_width(setup):
     """Without given costs the compiled loop times each width on the device (the full block is 1) and the
     output is still the baseline's."""

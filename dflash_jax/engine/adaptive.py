@@ -40,11 +40,13 @@ PRIOR_WEIGHT = 1.0
 # A width must promise this much more than the current one (relative) to replace it.
 HYSTERESIS = 0.15
 # Rounds per drafting phase; the first drafting phase after autoregressive ones is a single probe round.
-# An autoregressive phase lasts one block of rounds: its features fill exactly one round context.
 DRAFT_PHASE = 8
 PROBE_PHASE = 1
-# Autoregressive phases before a probe: 1, doubled (up to MAX_PROBE_GAP) after every probe whose round
-# committed fewer tokens per unit of time than autoregressive rounds would have.
+# Autoregressive phases run in blocks of rounds (a block's features fill exactly one round context, filed
+# into the draft's cache before the next). Blocks before a probe: 1, doubled (up to MAX_PROBE_GAP) after
+# every probe whose round committed fewer tokens per unit of time than autoregressive rounds would have; the
+# blocks until the next probe run as one phase (measured on XLA:CPU: a phase decision costs ~60 us, most of
+# an autoregressive step of the demo pair, so one per block made autoregressive rounds 8% dearer).
 MAX_PROBE_GAP = 8
 # Rounds timed per width by ``calibrate`` (best of CALIBRATION_REPEATS runs).
 CALIBRATION_ROUNDS = 32
@@ -58,8 +60,8 @@ class Policy(NamedTuple):
     costs: jax.Array  # [W] relative time of a round of each verify width
     forced: jax.Array  # index of the width every phase must use (calibration), -1 = choose
     last_width: jax.Array  # width of the last phase
-    ar_phases: jax.Array  # autoregressive phases since the last drafting one
-    probe_gap: jax.Array  # autoregressive phases to wait before the next probe
+    ar_blocks: jax.Array  # blocks of autoregressive rounds since the last drafting round
+    probe_gap: jax.Array  # blocks of autoregressive rounds to wait before the next probe
     probing: jax.Array  # the last phase was a probe
     accepted: jax.Array  # drafts accepted per row in the last drafting round
 
@@ -75,7 +77,7 @@ def initial_policy(block: int, num_widths: int) -> Policy:
     cannot follow costs one drafting round, not a phase (and, failing, one autoregressive phase before the
     next probe: the gap starts at 0, so the first failure only raises it to 1)."""
     return Policy(stats=jnp.zeros((2, max(block - 1, 1)), jnp.float32), costs=jnp.ones((num_widths,), jnp.float32),
-                  forced=jnp.int32(-1), last_width=jnp.int32(1), ar_phases=jnp.int32(1),
+                  forced=jnp.int32(-1), last_width=jnp.int32(1), ar_blocks=jnp.int32(1),
                   probe_gap=jnp.int32(0), probing=jnp.bool_(False), accepted=jnp.float32(0))
 
 
@@ -105,43 +107,41 @@ def expected_tokens(stats: jax.Array, widths: tuple[int, ...]) -> jax.Array:
     return jnp.stack([cumulative[w - 1] for w in widths])
 
 
-def next_phase(policy: Policy, widths: tuple[int, ...]) -> tuple[jax.Array, Policy]:
-    """Index of the next phase's width: the most expected tokens per unit of time after a drafting phase.
-    Autoregressive phases observe nothing, so after them the choice is a schedule: another one, until
-    ``probe_gap`` have passed, then a one-round probe at the best drafting width. A probe whose round committed
-    fewer tokens per unit of time than autoregressive rounds (``(accepted + 1) / cost(width) < 1 / cost(1)``)
-    goes straight back to autoregressive rounds and doubles the gap (up to MAX_PROBE_GAP); one that beat
-    them resets it to 1 and lets the expected rate choose, so a
-    text that turns predictable brings drafting back within a few phases and a hopeless one costs a probe
-    every MAX_PROBE_GAP blocks of rounds. ``forced`` >= 0 overrides everything."""
+def next_phase(policy: Policy, widths: tuple[int, ...], block: int) -> tuple[jax.Array, jax.Array, Policy]:
+    """``(width index, rounds)`` of the next phase. After a drafting phase: the width with the most expected
+    tokens per unit of time, for DRAFT_PHASE rounds. Autoregressive phases observe nothing, so what follows
+    them is a schedule: an autoregressive phase lasts until the next probe is due (``probe_gap`` blocks of
+    rounds since the last drafting round, at least one block), then comes a one-round probe at the best
+    drafting width. A probe whose round committed fewer tokens per unit of time than autoregressive rounds
+    (``(accepted + 1) / cost(width) < 1 / cost(1)``) goes straight back to autoregressive rounds and doubles the
+    gap (up to MAX_PROBE_GAP); one that beat them resets it to 1 and lets the expected rate choose, so a text
+    that turns predictable brings drafting back within a few blocks and a hopeless one costs a probe every
+    MAX_PROBE_GAP blocks. ``forced`` >= 0 overrides everything (calibration)."""
     rate = expected_tokens(policy.stats, widths) / policy.costs
     # Stay with the current width unless another is clearly better: the estimate is noisy, and a wrong switch
-    # to autoregressive rounds costs a whole phase of them.
+    # to autoregressive rounds costs a whole block of them.
     rate = rate * jnp.where(jnp.asarray(widths) == policy.last_width, 1.0 + HYSTERESIS, 1.0)
     best = jnp.argmax(rate).astype(jnp.int32)
+    after_drafting = jnp.where(policy.last_width == 1, PROBE_PHASE, DRAFT_PHASE).astype(jnp.int32)
     if widths[0] != 1:
-        return jnp.where(policy.forced >= 0, policy.forced, best), policy
+        return jnp.where(policy.forced >= 0, policy.forced, best), after_drafting, policy
     probe_cost = jnp.sum(jnp.where(jnp.asarray(widths) == policy.last_width, policy.costs, 0.0))
     failed = policy.probing & ((policy.accepted + 1.0) * policy.costs[0] < probe_cost)
     gap = jnp.where(policy.probing, jnp.where(failed, jnp.clip(2 * policy.probe_gap, 1, MAX_PROBE_GAP), 1),
                     policy.probe_gap)
     after_ar = policy.last_width == 1
-    probe = after_ar & (policy.ar_phases >= gap)
+    probe = after_ar & (policy.ar_blocks >= gap)
     best_drafting = 1 + jnp.argmax(rate[1:]).astype(jnp.int32)
     # After autoregressive phases: wait or probe. After a failed probe: straight back to autoregressive rounds
     # (one round of evidence must not be outvoted by the optimistic prior of the positions it did not reach).
     choice = jnp.where(after_ar, jnp.where(probe, best_drafting, 0), jnp.where(failed, 0, best))
     choice = jnp.where(policy.forced >= 0, policy.forced, choice)
     plain = choice == 0
-    return choice, policy._replace(ar_phases=jnp.where(plain, policy.ar_phases + 1, 0), probe_gap=gap,
-                                   probing=~plain & after_ar)
-
-
-def phase_rounds(width: int, block: int, previous_width: jax.Array) -> jax.Array:
-    """Rounds of a phase of ``width`` after a phase of ``previous_width``."""
-    if width == 1:
-        return jnp.int32(block)
-    return jnp.where(previous_width == 1, PROBE_PHASE, DRAFT_PHASE).astype(jnp.int32)
+    # (A forced autoregressive phase, timed by ``calibrate``, lasts as long as the longest unforced one.)
+    blocks = jnp.where(policy.forced >= 0, MAX_PROBE_GAP, jnp.maximum(gap - policy.ar_blocks, 1))
+    rounds = jnp.where(plain, blocks * block, after_drafting)
+    return choice, rounds, policy._replace(ar_blocks=jnp.where(plain, policy.ar_blocks + blocks, 0),
+                                           probe_gap=gap, probing=~plain & after_ar)
 
 
 def calibrate(widths: tuple[int, ...], run_rounds: Callable[[int], tuple[float, int]]) -> np.ndarray:

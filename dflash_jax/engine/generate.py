@@ -189,8 +189,9 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
         acc = accept_sampling(k_accept, d, probs, verify.logits, settings.sampling)
     a, nxt = acc.num_accepted, acc.next_token
 
-    idx = jnp.arange(block, dtype=jnp.int32)[None]
-    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    # At most ``width`` new tokens: the accepted drafts, then the target's own next token.
+    idx = jnp.arange(width, dtype=jnp.int32)[None]
+    padded = jnp.concatenate([d, jnp.zeros((b, 1), jnp.int32)], axis=1)
     new_tokens = jnp.where(idx < a[:, None], padded, nxt[:, None])
 
     # How many of the a+1 new tokens this row keeps: cut at max_new_tokens and right after a stop token.
@@ -213,7 +214,7 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
                     for old, new in zip(s.ctx, (features, s.start[:, None], active[:, None])))
     else:
         ctx = (jnp.pad(features, ((0, 0), (0, block - width), (0, 0))), positions,
-               (idx <= a[:, None]) & active[:, None])
+               (jnp.arange(block)[None] <= a[:, None]) & active[:, None])
 
     accept = s.accept.at[jnp.arange(b), s.rounds].set(jnp.where(active, a + 1, 0), mode="drop")
     drafts_log = s.drafts
@@ -253,23 +254,31 @@ def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings,
         pstate = proposer.ingest(proposer_consts, s.proposer, *s.ctx)
         return s._replace(proposer=pstate, ctx=(s.ctx[0], s.ctx[1], jnp.zeros_like(s.ctx[2])))
 
+    def ar_block(c):
+        # File the pending features (the last drafting round's, or the previous block's), then a block of
+        # autoregressive rounds refilling the round context slot by slot.
+        s, blocks = c
+        if proposer.feature_layers:
+            s = file_context(s)
+        s, _ = jax.lax.while_loop(lambda c: cond(c[0]) & (c[1] < block),
+                                  lambda c: (round_(c[0], width=1, ar_slot=c[1]), c[1] + 1), (s, jnp.int32(0)))
+        return s, blocks - 1
+
     def next_phase(s: LoopState) -> LoopState:
         # One while_loop per width in sequence, all but the chosen one running zero rounds. (A lax.switch
         # between the loops made XLA copy every KV cache on entering a phase and, in the autoregressive
         # branch, in every round.)
-        choice, policy = adaptive.next_phase(s.policy, widths)
+        choice, rounds, policy = adaptive.next_phase(s.policy, widths, block)
         s = s._replace(policy=policy)
         for index, width in enumerate(widths):
             chosen = choice == index
-            if width == 1 and proposer.feature_layers:
-                # File the pending features now: the autoregressive rounds refill the context slot by slot.
-                # (A while_loop of 0 or 1 trips: only an autoregressive phase pays for the draft's write.)
-                s, _ = jax.lax.while_loop(lambda c, chosen=chosen: chosen & (c[1] < 1),
-                                          lambda c: (file_context(c[0]), c[1] + 1), (s, jnp.int32(0)))
-            rounds = jnp.where(chosen, adaptive.phase_rounds(width, block, s.policy.last_width), 0)
+            if width == 1:
+                s, _ = jax.lax.while_loop(lambda c: cond(c[0]) & (c[1] > 0), ar_block,
+                                          (s, jnp.where(chosen, rounds // block, 0)))
+                continue
             s, _ = jax.lax.while_loop(
-                lambda c, rounds=rounds: cond(c[0]) & (c[1] < rounds),
-                lambda c, width=width: (round_(c[0], width=width, ar_slot=c[1]), c[1] + 1),
+                lambda c, n=jnp.where(chosen, rounds, 0): cond(c[0]) & (c[1] < n),
+                lambda c, width=width: (round_(c[0], width=width), c[1] + 1),
                 (s, jnp.int32(0)))
         width = jnp.asarray(widths, jnp.int32)[choice]
         return s._replace(policy=s.policy._replace(last_width=width))

@@ -19,12 +19,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dflash_jax.engine.adaptive import rounds_per_width
+from dflash_jax.engine.adaptive import rounds_per_width, verify_widths
 from dflash_jax.engine.decoder import encode_conversation
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
 from dflash_jax.evaluation.machine import machine_info
 from dflash_jax.evaluation.prompts import Sample
+from dflash_jax.evaluation.replay import replay_adaptive, replay_fixed, replay_oracle, teacher_forced_acceptance
 from dflash_jax.fileio import atomic_write, write_text_atomic
 
 # ---------------------------------------------------------------------------------------------------------
@@ -153,14 +154,21 @@ def run_bench(
     use_chat_template: bool = True,
     progress: bool = True,
     journal: Journal | None = None,
+    replay: bool = False,
 ) -> dict:
     """Run every turn of every sample with the baseline and with DFlash; return per-turn rows and per-dataset
     summaries. Compilation is reported by the engine separately and never enters the metrics. A turn whose
-    prompt cannot fit the target's context is recorded as skipped (with the rest of its conversation)."""
+    prompt cannot fit the target's context is recorded as skipped (with the rest of its conversation).
+    ``replay`` (greedy, adaptive widths including 1) also records, per turn, the teacher-forced acceptance of
+    every position of the answer and the measured round costs, and summarizes the offline replay of width
+    policies on them (``evaluation/replay.py``)."""
     from tqdm import tqdm
 
     if not decoder.has_draft:
         raise UserError("the benchmark needs a draft (DFlash) as well as the target")
+    if replay and (not sampling.greedy or 1 not in decoder.adaptive_widths):
+        raise UserError("the replay needs greedy decoding (temperature 0) and adaptive widths including 1 (the "
+                        "autoregressive round whose measured cost is the unit)")
     block = int(decoder.block_size)
     greedy = sampling.greedy
     rows: list[dict] = []
@@ -203,6 +211,11 @@ def run_bench(
                         **({"widths": [int(w) for w in flash.widths[0]]} if flash.widths is not None else {}),
                         "identical": (flash.tokens[0] == base.tokens[0]) if greedy else None,
                     })
+                    if replay:
+                        row["replay"] = {"width_costs": flash.width_costs, "acceptance": [int(a) for a in (
+                            teacher_forced_acceptance(decoder.target_config, decoder.target_params,
+                                                      decoder.draft_config, decoder.draft_params, ids,
+                                                      base.tokens[0], block, decoder.dtype))]}
                     ds_rows.append(row)
                     # The next turn follows the model's own answer (DFlash's, as in the paper's script).
                     messages.append({"role": "assistant", "content": answer})
@@ -210,6 +223,8 @@ def run_bench(
                     journal.record(name, si, turns, ds_rows[first_row:])
                 bar.update(1)
             summary[name] = summarize_dataset(ds_rows, block, greedy)
+            if replay:
+                summary[name]["replay"] = replay_summary(ds_rows, verify_widths(decoder.adaptive_widths, block))
             rows.extend(ds_rows)
     finally:
         bar.close()
@@ -224,6 +239,22 @@ def run_bench(
         "mean": {"tau": _mean(taus), "speedup": _mean(speedups)},  # unweighted over datasets, as Table 1
         "turns": rows,
     }
+
+
+def replay_summary(rows: list[dict], widths: tuple[int, ...]) -> dict:
+    """Speedups over autoregressive rounds (same engine, measured per-round costs of each turn) of three
+    schedules replayed on the turns' teacher-forced acceptance: the full block every round, the adaptive
+    policy, and the best schedule knowing every round's acceptance in advance (an upper bound)."""
+    time = {"autoregressive": 0.0, "fixed": 0.0, "adaptive": 0.0, "best_possible": 0.0}
+    for r in rows:
+        if "replay" not in r:
+            continue
+        acceptance, costs = np.asarray(r["replay"]["acceptance"]), r["replay"]["width_costs"]
+        time["autoregressive"] += (len(acceptance) - 1) * costs[0]
+        time["fixed"] += replay_fixed(acceptance, costs[-1])[0]
+        time["adaptive"] += replay_adaptive(acceptance, widths, costs, widths[-1])[0]
+        time["best_possible"] += replay_oracle(acceptance, widths, costs)
+    return {k: time["autoregressive"] / t if t > 0 else None for k, t in time.items() if k != "autoregressive"}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -251,6 +282,12 @@ def markdown_table(results: dict) -> str:
     if widths:
         lines += ["", "Adaptive block size, rounds per verify width: " + "; ".join(
             f"{name} " + ", ".join(f"{w}: {n}" for w, n in counts.items()) for name, counts in widths.items())]
+    replays = {name: s["replay"] for name, s in results["summary"].items() if "replay" in s}
+    if replays:
+        lines += ["", "Replay on the teacher-forced acceptance, speedup over autoregressive rounds at the measured "
+                  "round costs (full block / adaptive policy / best possible schedule): " + "; ".join(
+                      f"{name} " + " / ".join(_fmt(r[k], '.2f', 'x') for k in ("fixed", "adaptive", "best_possible"))
+                      for name, r in replays.items())]
     return "\n".join(lines)
 
 
