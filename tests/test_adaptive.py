@@ -57,8 +57,8 @@ def test_cost_decides_between_widths():
             widths, 4)[0])
 
     assert choice(0.8, 4) == 0  # clearly below one token per step: autoregressive
-    assert choice(0.95, 4) == 2  # a little below: the current width stays (hysteresis) ...
-    assert choice(0.95, 2) == 1  # ... whichever it is
+    assert choice(0.97, 4) == 2  # a little below: the current width stays (hysteresis) ...
+    assert choice(0.97, 2) == 1  # ... whichever it is
 
 
 def test_probe_schedule_backs_off_and_resets():

@@ -143,21 +143,21 @@ def runs_of(widths):
 
 
 def test_adaptive_block_size_is_lossless_and_follows_acceptance(long_setup):
-    """Adaptive widths (2, 4 and the full 8) with rounds costing 0.5 / 0.7 / 1: a one-round probe and the
-    first phase verify the full block (optimistic prior), a run of rejected rounds narrows the width (a round
-    then accepts at most that width even where the proposals would have matched further), and once the
-    narrow rounds accept everything the engine goes back to the full block."""
+    """Adaptive widths (2, 4 and the full 8) with rounds costing 0.5 / 0.8 / 1: the opening one-round probe
+    verifies the full block (the prior favours it), its rejected first draft and the run of rejections after
+    it narrow the width (a round then accepts at most that width even where the proposals would have matched
+    further), in whole drafting phases, and once the narrow rounds accept everything the engine goes back to
+    the full block."""
     ar = long_setup[-1]
     phase = adaptive.DRAFT_PHASE
     out = oracle_run(long_setup, [[1] * (phase + 4) + [8] * 20] * 3, max_new=LONG, adaptive=(2, 4),
-                     costs=(0.5, 0.7, 1.0))
+                     costs=(0.5, 0.8, 1.0))
     check_widths(out, ar)
     for widths, accept in zip(out.widths, out.accept_lengths):
-        first = 1 + phase  # the opening probe and one phase
-        assert widths[:first] == [8] * first and accept[:first] == [1] * first
-        assert widths[first] < 8, widths  # rejections of position 1: not worth verifying the whole block
-        assert all(n % phase == 0 for _, n in runs_of(widths)[1:-1]), widths  # whole drafting phases
-        back = widths.index(8, first)  # the full block again ...
+        assert widths[0] == 8 and accept[0] == 1, (widths, accept)  # the opening probe
+        assert widths[1] < 8 and accept[1] == 1, widths  # rejections of position 1: not worth the whole block
+        assert all(n % phase == 0 for _, n in runs_of(widths[1:])[:-1]), widths  # whole drafting phases
+        back = widths.index(8, 1)  # the full block again ...
         assert accept[back] == 8, (widths, accept)  # ... accepting all of it
 
 
@@ -170,7 +170,7 @@ def test_adaptive_autoregressive_phases_are_lossless_and_probe_again(long_setup)
     baseline."""
     ar = long_setup[-1]
     out = oracle_run(long_setup, [[1] * 24 + [8] * 12] * 3, max_new=LONG, adaptive=(1, 2, 4),
-                     costs=(1 / 3, 0.5, 0.7, 1.0))
+                     costs=(1 / 3, 0.5, 0.8, 1.0))
     check_widths(out, ar)
     for widths, accept in zip(out.widths, out.accept_lengths):
         runs = runs_of(widths)
