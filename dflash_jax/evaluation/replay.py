@@ -36,14 +36,22 @@ from dflash_jax.training.forward import draft_training_logits
 from dflash_jax.training.step import target_features
 
 
+# Anchors per draft forward: the logits of a chunk ([chunk, block, vocab], float32) stay ~0.3 GB for a
+# 152k vocabulary and a block of 16, whatever the answer's length.
+ANCHOR_CHUNK = 32
+
+
 @functools.lru_cache(maxsize=8)
-def _proposals_fn(target_config: TargetConfig, draft_config: DraftConfig, block: int, dtype):
+def _teacher_forced_fns(target_config: TargetConfig, draft_config: DraftConfig, block: int, dtype):
     target, draft = TargetModel(target_config, dtype), DraftModel(draft_config, dtype)
 
     @jax.jit
-    def proposals(target_params, draft_params, tokens, length, anchors, valid):
-        features = target_features(target, target_params, {"tokens": tokens, "lengths": length},
-                                   draft_config.target_layer_ids)
+    def features(target_params, tokens, length):
+        return target_features(target, target_params, {"tokens": tokens, "lengths": length},
+                               draft_config.target_layer_ids)
+
+    @jax.jit
+    def proposals(target_params, draft_params, features, tokens, anchors, valid):
         block_tokens = jnp.full(anchors.shape + (block,), draft_config.mask_token_id, jnp.int32)
         block_tokens = block_tokens.at[..., 0].set(jnp.take_along_axis(tokens, anchors, axis=1))
         logits = draft_training_logits(draft, draft_params, features, block_tokens,
@@ -51,25 +59,30 @@ def _proposals_fn(target_config: TargetConfig, draft_config: DraftConfig, block:
                                        shared_head(target_params, target_config.tie_word_embeddings))
         return jnp.argmax(logits[0, :, 1:], axis=-1)
 
-    return proposals
+    return features, proposals
 
 
 def teacher_forced_acceptance(target_config: TargetConfig, target_params: dict, draft_config: DraftConfig,
                               draft_params: dict, prompt: Sequence[int], answer: Sequence[int],
                               block: int, dtype=jnp.float32) -> np.ndarray:
     """``[len(answer)]``: drafts a greedy round anchored at ``answer[i]`` would accept (0 .. block - 1),
-    compared with the answer itself (positions past its end count as rejections). Shapes are padded to
-    buckets so that a set of answers compiles a few programs, not one each."""
+    compared with the answer itself (positions past its end count as rejections). The target runs once over
+    the whole text; the draft over chunks of ANCHOR_CHUNK anchors; the text is padded to a power of two so
+    that a set of answers compiles a few programs, not one each."""
     sequence = list(prompt) + list(answer)
-    width, count = bucket(len(sequence) + block), bucket(len(answer))
-    tokens = np.zeros((1, width), np.int32)
+    tokens = np.zeros((1, bucket(len(sequence) + block)), np.int32)
     tokens[0, : len(sequence)] = sequence
-    anchors = np.zeros((1, count), np.int32)
-    anchors[0, : len(answer)] = len(prompt) + np.arange(len(answer))
-    proposals = _proposals_fn(target_config, draft_config, block, dtype)(
-        target_params, draft_params, jnp.asarray(tokens), jnp.asarray([len(sequence)]), jnp.asarray(anchors),
-        jnp.asarray(np.arange(count) < len(answer))[None])
-    proposals = np.asarray(proposals)[: len(answer)]
+    features_fn, proposals_fn = _teacher_forced_fns(target_config, draft_config, block, dtype)
+    tokens = jnp.asarray(tokens)
+    features = features_fn(target_params, tokens, jnp.asarray([len(sequence)]))
+    chunks = []
+    for first in range(0, len(answer), ANCHOR_CHUNK):
+        index = first + np.arange(ANCHOR_CHUNK)
+        anchors = len(prompt) + np.minimum(index, len(answer) - 1)
+        chunks.append(np.asarray(proposals_fn(target_params, draft_params, features, tokens,
+                                              jnp.asarray(anchors[None], jnp.int32),
+                                              jnp.asarray(index < len(answer))[None])))
+    proposals = np.concatenate(chunks)[: len(answer)]
     # What each proposal must equal: the answer from the anchor's next position on (-1 past its end).
     padded = np.concatenate([np.asarray(answer), np.full(block, -1)])
     targets = padded[np.arange(len(answer))[:, None] + 1 + np.arange(block - 1)[None]]
