@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The accelerator checks docs/speed.md still lacks, in one run of at most ~8 minutes on a lent GPU (no install
+# there: PYTHONPATH=.; no grain and no ../shared, so data-dependent tests skip):
+#   bash scripts/gpu_check.sh [OUT_DIR]        (default: $OUT, else runs/gpu)
+# 1. the engine's tests on the GPU (float32 with explicit highest-precision matmuls: same greedy tokens as CPU);
+# 2. the speed tool at the Qwen3-8B shapes in bfloat16 (components, speedup bound, fixed vs adaptive widths);
+# 3. a round at 256 live tokens in a 16k-slot cache (the live-length claim on the device);
+# 4. XLA's memory analysis of long-prompt prefills at the 8B shapes (chunked prefill).
+# Each step writes OUT_DIR/<step>.txt and prints its tail; a step that fails or runs out of time does not stop
+# the next.
+set -uo pipefail
+OUT_DIR=${1:-${OUT:-runs/gpu}}
+mkdir -p "$OUT_DIR"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT_DIR/$name.txt" 2>&1
+  echo "   exit $? after $((SECONDS - t0)) s"
+  tail -n 30 "$OUT_DIR/$name.txt"
+}
+
+{ nvidia-smi; python -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"; } \
+  > "$OUT_DIR/machine.txt" 2>&1
+cat "$OUT_DIR/machine.txt"
+step tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_engine_greedy.py tests/test_adaptive.py \
+  tests/test_replay.py tests/test_engine_sampling.py
+step speed-8b 120 python -m infer speed --preset qwen3-8b --dtype bfloat16 --context 1024 --new-tokens 256 --tau 6 \
+  --repeats 5 --adaptive 1,4,8 --json "$OUT_DIR/speed-8b.json"
+step live-16k 90 python -m infer speed --preset qwen3-8b --dtype bfloat16 --context 256 --cache-slots 16384 \
+  --new-tokens 32 --tau 6 --repeats 5
+step prefill-memory 60 python scripts/prefill_memory.py --lengths 4096,16384,32768
