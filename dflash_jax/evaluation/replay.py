@@ -31,7 +31,7 @@ from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft import DraftModel, shared_head
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.target import TargetModel
-from dflash_jax.engine.generate import bucket
+from dflash_jax.engine.generate import bucket, to_host
 from dflash_jax.training.forward import draft_training_logits
 from dflash_jax.training.step import target_features
 
@@ -79,9 +79,9 @@ def teacher_forced_acceptance(target_config: TargetConfig, target_params: dict, 
     for first in range(0, len(answer), ANCHOR_CHUNK):
         index = first + np.arange(ANCHOR_CHUNK)
         anchors = len(prompt) + np.minimum(index, len(answer) - 1)
-        chunks.append(np.asarray(proposals_fn(target_params, draft_params, features, tokens,
-                                              jnp.asarray(anchors[None], jnp.int32),
-                                              jnp.asarray(index < len(answer))[None])))
+        chunks.append(to_host(proposals_fn(target_params, draft_params, features, tokens,
+                                           jnp.asarray(anchors[None], jnp.int32),
+                                           jnp.asarray(index < len(answer))[None])))
     proposals = np.concatenate(chunks)[: len(answer)]
     # What each proposal must equal: the answer from the anchor's next position on (-1 past its end).
     padded = np.concatenate([np.asarray(answer), np.full(block, -1)])
