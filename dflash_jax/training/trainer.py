@@ -329,13 +329,14 @@ def _scalarise(metrics: dict) -> dict:
 
 def evaluate_tau(run: Run, draft_params: Any, prompts: list[list[int]] | None = None) -> float:
     """The real acceptance length of a draft through the decode engine (greedy, the serving stop tokens), not a
-    training estimate: a wrong mask id or a train/serve mismatch shows here and nowhere else (SPEC section 6)."""
+    training estimate: a wrong mask id or a train/serve mismatch shows here and nowhere else (SPEC section 6).
+    The decode runs on the run's mesh (params placed by the inference rules, prompts over the batch axes), so
+    every process of a multi-process run takes part and reads the same tau."""
     from dflash_jax.engine.decoder import Decoder
 
-    if jax.process_count() > 1:  # the engine reads results as host arrays of one process
-        return float("nan")
-    params = jax.tree.map(lambda x: jnp.asarray(x, run.dtype), draft_params)
-    decoder = Decoder(run.target_config, run.target_params, run.draft_config, params, dtype=run.dtype)
+    params = jax.jit(lambda tree: jax.tree.map(lambda x: x.astype(run.dtype), tree))(draft_params)
+    decoder = Decoder(run.target_config, run.target_params, run.draft_config, params, dtype=run.dtype,
+                      mesh=run.mesh)
     chosen = (run.eval_prompts if prompts is None else prompts)[: run.cfg["output"]["eval_num_prompts"]]
     return decoder.generate(chosen, run.cfg["output"]["eval_max_new_tokens"], stop_tokens=run.stop_tokens).tau
 
