@@ -4,14 +4,14 @@ The decode loop runs in *phases*: a few rounds at one static width, chosen betwe
 ``next_phase``. A phase runs one ``lax.while_loop`` of ordinary rounds per width in sequence, all but the
 chosen one for zero rounds, so a round costs what a fixed-width round costs. (A ``lax.switch`` between the
 loops made XLA:CPU copy every KV cache on entering a phase.) Width 1 is a plain autoregressive phase: no
-draft forward; the target's features of its tokens are gathered in the round context and filed into the
-draft's cache in one write when drafting resumes.
+draft forward; it runs in blocks of rounds, each gathering the target's features of its tokens in the round
+context, filed into the draft's cache in one write before the next block (or by the next drafting round).
 
 The choice maximises expected tokens per unit of time:
 
 - expected tokens of width ``w``: ``1 + sum_{k<w} prod_{j<=k} p_j``, with ``p_j`` the batch's recent rate of
   accepting draft position ``j`` given position ``j - 1`` was accepted (exponentially decayed counts; a
-  verified prefix only observes its own positions), shrunk towards an optimistic prior ``PRIOR_P`` so that
+  verified prefix only observes its own positions), shrunk towards a prior ``PRIOR_P`` so that
   positions not verified for a while look promising again;
 - time of a round of width ``w``: ``costs[w]``, measured on the device for the compiled program (``calibrate``)
   or given by the caller (``DecodeSettings.width_costs``).
@@ -75,9 +75,9 @@ def verify_widths(adaptive_widths: tuple[int, ...], block: int) -> tuple[int, ..
 
 def initial_policy(block: int, num_widths: int) -> Policy:
     """Nothing observed yet: decoding starts as if after an autoregressive phase, with a one-round probe at
-    the width the optimistic prior favours (the full block unless it is much dearer), so a text the draft
-    cannot follow costs one drafting round, not a phase (and, failing, one autoregressive phase before the
-    next probe: the gap starts at 0, so the first failure only raises it to 1)."""
+    the width the prior favours (the full block unless it is much dearer), so a text the draft
+    cannot follow costs one drafting round, not a phase (and, failing, one block of autoregressive rounds
+    before the next probe: the gap starts at 0, so the first failure only raises it to 1)."""
     return Policy(stats=jnp.zeros((2, max(block - 1, 1)), jnp.float32), costs=jnp.ones((num_widths,), jnp.float32),
                   forced=jnp.int32(-1), last_width=jnp.int32(1), ar_blocks=jnp.int32(1),
                   probe_gap=jnp.int32(0), probing=jnp.bool_(False), accepted=jnp.float32(0))
@@ -135,7 +135,7 @@ def next_phase(policy: Policy, widths: tuple[int, ...], block: int) -> tuple[jax
     probe = after_ar & (policy.ar_blocks >= gap)
     best_drafting = 1 + jnp.argmax(rate[1:]).astype(jnp.int32)
     # After autoregressive phases: wait or probe. After a failed probe: straight back to autoregressive rounds
-    # (one round of evidence must not be outvoted by the optimistic prior of the positions it did not reach).
+    # (one round of evidence must not be outvoted by the prior of the positions it did not reach).
     choice = jnp.where(after_ar, jnp.where(probe, best_drafting, 0), jnp.where(failed, 0, best))
     choice = jnp.where(policy.forced >= 0, policy.forced, choice)
     plain = choice == 0

@@ -14,7 +14,7 @@ schedule of widths can then be replayed exactly in tokens, with time from per-ro
 
 Costs are per round, relative to an autoregressive round; phase bookkeeping and the gap between an
 autoregressive round and a baseline step are left out, so the replay isolates the choice itself. Used by
-``scripts/adaptive_replay.py`` (docs/speed.md, "Adaptive block size").
+``python -m infer bench --replay`` (docs/speed.md, "Adaptive block size").
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.engine import adaptive
+from dflash_jax.engine.generate import bucket, to_host
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft import DraftModel, shared_head
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.target import TargetModel
-from dflash_jax.engine.generate import bucket, to_host
 from dflash_jax.training.forward import draft_training_logits
 from dflash_jax.training.step import target_features
 
