@@ -409,6 +409,7 @@ def test_bench_replay_of_width_schedules(tmp_path, capsys):
     replay = doc["summary"]["openings"]["replay"]
     assert replay["best_possible"] >= max(replay["fixed"], replay["adaptive"]) > 0
     assert "Replay on the teacher-forced acceptance" in (tmp_path / "out" / "results.md").read_text()
+    assert (tmp_path / "out" / "replay.png").read_bytes().startswith(b"\x89PNG")
 
 
 # ------------------------------------------------------------------------------------------ kill and resume

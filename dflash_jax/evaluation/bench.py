@@ -331,9 +331,34 @@ def plot_acceptance(results: dict, path: Path) -> None:
         fig.savefig(f, dpi=100, format="png")
 
 
+def plot_replay(results: dict, path: Path) -> None:
+    """Grouped bars per dataset: the replayed speedups over autoregressive rounds of the full block, the
+    adaptive policy and the best possible schedule (``--replay``), with autoregressive rounds at 1."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    replays = {name: s["replay"] for name, s in results["summary"].items() if "replay" in s}
+    kinds = (("fixed", "full block", "tab:gray"), ("adaptive", "adaptive policy", "tab:blue"),
+             ("best_possible", "best possible", "tab:green"))
+    fig = Figure(figsize=(max(5.0, 1.4 * len(replays) + 2), 3.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for i, (key, label, color) in enumerate(kinds):
+        ax.bar([j + (i - 1) * 0.27 for j in range(len(replays))],
+               [r[key] or 0.0 for r in replays.values()], width=0.27, label=label, color=color)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(replays)), list(replays))
+    ax.set_ylabel("speedup over autoregressive rounds")
+    ax.legend(fontsize="small")
+    block = results["settings"]["block_size"]
+    fig.suptitle(f"Width schedules replayed on the teacher-forced acceptance (block {block})")
+    with atomic_write(path) as f:
+        fig.savefig(f, dpi=100, format="png")
+
+
 def write_report(results: dict, out_dir: Path | str, meta: dict | None = None) -> dict[str, Path]:
-    """Write ``results.json`` (everything, per-turn rows and ``meta`` included), ``results.md`` (the table)
-    and ``acceptance.png`` into ``out_dir``; return their paths."""
+    """Write ``results.json`` (everything, per-turn rows and ``meta`` included), ``results.md`` (the table),
+    ``acceptance.png`` and, with a replay, ``replay.png`` into ``out_dir``; return their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(meta or {})
@@ -351,4 +376,7 @@ def write_report(results: dict, out_dir: Path | str, meta: dict | None = None) -
               f"Speedup = mean baseline / mean DFlash time per output token, decode only (same engine).\n\n")
     write_text_atomic(paths["markdown"], header + markdown_table(results) + "\n")
     plot_acceptance(results, paths["plot"])
+    if any("replay" in s for s in results["summary"].values()):
+        paths["replay_plot"] = out / "replay.png"
+        plot_replay(results, paths["replay_plot"])
     return paths
