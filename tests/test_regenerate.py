@@ -74,11 +74,14 @@ def cli_args(setup, out, *extra):
             str(SHARD), "--batch-size", str(BATCH), "--max-new-tokens", str(NEW), "--no-progress", *extra]
 
 
-def greedy_answer(decoder, tokenizer, stops, ids):
+def greedy_tokens(decoder, stops, ids):
     """Plain greedy decoding of the target for these prompt ids, alone (every row of the batch is this prompt:
     the compiled programs of the regeneration are reused, its batching and ordering are not)."""
-    result = decoder.generate([ids] * BATCH, NEW, SamplingConfig(), stops, baseline=True)
-    return tokenizer.decode(result.tokens[0], skip_special_tokens=True)
+    return decoder.generate([ids] * BATCH, NEW, SamplingConfig(), stops, baseline=True).tokens[0]
+
+
+def greedy_answer(decoder, tokenizer, stops, ids):
+    return tokenizer.decode(greedy_tokens(decoder, stops, ids), skip_special_tokens=True)
 
 
 def test_rows_are_the_targets_own_greedy_answers(setup, reference):
@@ -110,6 +113,20 @@ def test_rows_are_the_targets_own_greedy_answers(setup, reference):
                 ids = encode_conversation(tokenizer, list(row.messages[:i]))
                 assert message["content"] == greedy_answer(decoder, tokenizer, stops, ids)
     assert read_examples(out)[0] == rows  # the whole directory, shards in order
+
+    # "finished": every answer of the row ended with a stop token before NEW tokens (both kinds occur here).
+    raw = [json.loads(line) for k in range(4) for line in (out / f"shard-{k:05d}.jsonl").read_text().splitlines()]
+    unfinished = 0
+    for raw_row, row in zip(raw, rows):
+        if isinstance(row, PlainText):
+            prompts = [plain_prompt_ids(tokenizer, row.prompt)]
+        else:
+            prompts = [encode_conversation(tokenizer, list(row.messages[:i]))
+                       for i, m in enumerate(row.messages) if m["role"] == "assistant"]
+        ended = [t[-1] in stops for t in (greedy_tokens(decoder, stops, ids) for ids in prompts)]
+        assert raw_row["finished"] == all(ended), raw_row
+        unfinished += ended.count(False)
+    assert unfinished == stats.unfinished and {r["finished"] for r in raw} == {True, False}
 
     data = tokenize_examples(tokenizer, rows, 64)  # ready for training: every row has answer tokens
     assert len(data) == 11 and data.num_without_targets == 0

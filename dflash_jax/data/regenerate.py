@@ -8,7 +8,9 @@ the decoder has a draft: the output has the target's distribution either way).
 
 Output: ``out_dir/shard-00000.jsonl``, ... where shard ``k`` holds the rows of input examples
 ``[k * shard_size, (k + 1) * shard_size)`` in input order, each written atomically, plus ``regenerate.json``
-with the settings. A rerun skips complete shards, so a killed run resumes with no missing and no duplicated
+with the settings. Every row carries ``"finished"``: false when one of its answers was cut at
+``max_new_tokens`` before a stop token (readers ignore the key; filter on it to train on whole answers
+only). A rerun skips complete shards, so a killed run resumes with no missing and no duplicated
 row; a rerun with other settings is refused. Every batch draws its random key from (seed, shard, turn, batch)
 and batches always have ``batch_size`` rows (padded with a copy of the first prompt), so a resumed run writes
 exactly what an uninterrupted one would have.
@@ -137,6 +139,7 @@ class _Job:
     users: list[str]  # the user turns to answer in order (the prompt, for plain text)
     answers: int = 0
     done: bool = False
+    finished: bool = True  # every answer so far ended with a stop token
 
 
 def _job(index: int, example: Example) -> _Job:
@@ -150,8 +153,10 @@ def _result_row(job: _Job) -> dict | None:
     if job.answers == 0:
         return None
     if isinstance(job.example, PlainText):
-        return example_to_row(PlainText(job.history[-1]["content"], job.users[0]))
-    return example_to_row(Conversation(tuple(job.history)))
+        row = example_to_row(PlainText(job.history[-1]["content"], job.users[0]))
+    else:
+        row = example_to_row(Conversation(tuple(job.history)))
+    return {**row, "finished": job.finished}
 
 
 class _Progress:
@@ -237,7 +242,9 @@ def answer_shard(decoder: Any, tokenizer: Any, examples: Sequence[Example], shar
                     _end(j)
                 else:
                     stats.answers += 1
-                    stats.unfinished += int(not out or out[-1] not in stops)
+                    ended = bool(out) and out[-1] in stops
+                    stats.unfinished += int(not ended)
+                    j.finished &= ended
                     j.history.append({"role": "assistant", "content": answer})
                     j.answers += 1
                     j.done = turn + 1 >= len(j.users)
