@@ -127,6 +127,10 @@ def test_rows_are_the_targets_own_greedy_answers(setup, reference):
         assert raw_row["finished"] == all(ended), raw_row
         unfinished += ended.count(False)
     assert unfinished == stats.unfinished and {r["finished"] for r in raw} == {True, False}
+    # data.drop_unfinished: the trainer reads only the rows whose answers all ended.
+    whole, read_stats = read_examples(out, drop_unfinished=True)
+    assert whole == [row for row, r in zip(rows, raw) if r["finished"]]
+    assert read_stats.unfinished == sum(not r["finished"] for r in raw) and read_stats.kept == len(whole)
 
     data = tokenize_examples(tokenizer, rows, 64)  # ready for training: every row has answer tokens
     assert len(data) == 11 and data.num_without_targets == 0

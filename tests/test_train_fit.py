@@ -219,3 +219,22 @@ def test_train_speed_reports_the_targets_share(tiny, capsys):
     assert out["steps"] == 2 and out["step_s"] > out["target_features_s"] > 0
     assert 0 < out["target_share"] < 1 and out["tokens_per_s"] > 0
     assert out["draft_params"] > 0 and out["target_params"] > 0
+
+
+def test_drop_unfinished_leaves_out_cut_answers(tiny, tmp_path):
+    """data.drop_unfinished: rows a regeneration marked "finished": false are not trained on (and counted)."""
+    from dflash_jax.checkpoints.loading import load_tokenizer
+    from dflash_jax.training.run_config import parse_run_config
+    from dflash_jax.training.trainer import read_training_data
+
+    _, _, raw = tiny
+    rows = tmp_path / "regenerated.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "ab", "text": text, "finished": finished}) + "\n" for text, finished
+                            in (("cab dab", True), ("cut off", False), ("bad ace", True), ("no flag", None))))
+    tokenizer = load_tokenizer(raw["target"]["path"])
+    for drop, kept in ((False, 4), (True, 3)):
+        cfg = parse_run_config({**raw, "data": {**raw["data"], "train": str(rows), "drop_unfinished": drop}})
+        logs = []
+        data = read_training_data(cfg, tokenizer, logs.append, progress=False)
+        assert len(data) == kept
+        assert ("1 unfinished rows left out" in logs[0]) == drop, logs

@@ -93,7 +93,8 @@ def regenerate_main(args: argparse.Namespace) -> int:
         print(f"{stats.skipped} examples left out (no turn could be answered)")
     if stats.unfinished:
         print(f"{stats.unfinished} answers reached --max-new-tokens {args.max_new_tokens} before a stop token "
-              "(raise it to keep whole answers; their rows have \"finished\": false)")
+              "(raise it to keep whole answers; their rows have \"finished\": false, which fit's "
+              "data.drop_unfinished leaves out)")
     return 0
 
 

@@ -71,11 +71,12 @@ Example = Union[Conversation, PlainText]
 class ReadStats:
     read: int = 0  # non-blank lines
     skipped: int = 0  # malformed rows, each with a warning
+    unfinished: int = 0  # regenerated rows with "finished": false, left out on request
     warnings: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def kept(self) -> int:
-        return self.read - self.skipped
+        return self.read - self.skipped - self.unfinished
 
 
 def _content(value: Any, what: str) -> str:
@@ -194,9 +195,11 @@ def data_files(path: Path) -> list[Path]:
     return files
 
 
-def read_examples(path: str | Path, limit: int | None = None) -> tuple[list[Example], ReadStats]:
+def read_examples(path: str | Path, limit: int | None = None, drop_unfinished: bool = False
+                  ) -> tuple[list[Example], ReadStats]:
     """All usable examples of a JSONL file, or of every JSONL file of a directory such as a regeneration's
-    output (the first ``limit`` if given), and what was skipped and why."""
+    output (the first ``limit`` if given), and what was skipped and why. ``drop_unfinished`` leaves out the
+    rows a regeneration marked ``"finished": false`` (an answer cut at max_new_tokens)."""
     path = Path(path)
     examples: list[Example] = []
     stats = ReadStats()
@@ -210,12 +213,19 @@ def read_examples(path: str | Path, limit: int | None = None) -> tuple[list[Exam
                 continue
             stats.read += 1
             try:
-                examples.append(parse_row(_json_row(raw)))
+                row = _json_row(raw)
+                example = parse_row(row)
+                if drop_unfinished and row.get("finished") is False:
+                    stats.unfinished += 1
+                    continue
+                examples.append(example)
             except RowError as e:
                 stats.skipped += 1
                 stats.warnings.append(f"{file}:{lineno}: {e}")
     if not examples:
         detail = f" ({stats.skipped} malformed, first: {stats.warnings[0]})" if stats.warnings else ""
+        if stats.unfinished:
+            detail += f" ({stats.unfinished} unfinished rows left out: drop_unfinished)"
         raise DataError(f"{path}: no usable rows{detail}")
     return examples, stats
 

@@ -9,9 +9,9 @@ the decoder has a draft: the output has the target's distribution either way).
 Output: ``out_dir/shard-00000.jsonl``, ... where shard ``k`` holds the rows of input examples
 ``[k * shard_size, (k + 1) * shard_size)`` in input order, each written atomically, plus ``regenerate.json``
 with the settings. Every row carries ``"finished"``: false when one of its answers was cut at
-``max_new_tokens`` before a stop token (readers ignore the key; filter on it to train on whole answers
-only). A rerun skips complete shards, so a killed run resumes with no missing and no duplicated
-row; a rerun with other settings is refused. Every batch draws its random key from (seed, shard, turn, batch)
+``max_new_tokens`` before a stop token (the trainer's ``data.drop_unfinished`` leaves those rows out). A
+rerun skips complete shards, so a killed run resumes with no missing and no duplicated row; a rerun with
+other settings is refused. Every batch draws its random key from (seed, shard, turn, batch)
 and batches always have ``batch_size`` rows (padded with a copy of the first prompt), so a resumed run writes
 exactly what an uninterrupted one would have.
 

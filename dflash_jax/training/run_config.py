@@ -45,6 +45,8 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "max_length": (3072, (int,), "tokens per sequence; longer rows are truncated (counted)"),
         "use_chat_template": (True, (bool,), "render conversations with the tokenizer's chat template"),
         "enable_thinking": (False, (bool,), "Qwen3 thinking in the template (as 'train regenerate --thinking')"),
+        "drop_unfinished": (False, (bool,), "leave out regenerated rows whose answers were cut at max_new_tokens "
+                                            "(\"finished\": false)"),
         "eval_prompts": (None, (str,), "held-out prompts (JSONL rows with a prompt or messages) for the "
                                        "engine's real tau"),
     },

@@ -382,9 +382,10 @@ def read_training_data(cfg: dict, tokenizer: Any, log: Callable[[str], None], pr
     files = [files] if isinstance(files, str) else files
     examples = []
     for f in files:
-        rows, stats = read_examples(f)
+        rows, stats = read_examples(f, drop_unfinished=cfg["data"]["drop_unfinished"])
         examples += rows
-        log(f"{f}: {len(rows)} rows" + (f", {stats.skipped} malformed rows skipped" if stats.skipped else ""))
+        log(f"{f}: {len(rows)} rows" + (f", {stats.skipped} malformed rows skipped" if stats.skipped else "")
+            + (f", {stats.unfinished} unfinished rows left out" if stats.unfinished else ""))
     data = tokenize_examples(tokenizer, examples, cfg["data"]["max_length"], cfg["data"]["use_chat_template"],
                              progress=progress, enable_thinking=cfg["data"]["enable_thinking"], source=f"data.train ({', '.join(str(f) for f in files)})")
     log(f"tokenized {len(data.lengths)} rows ({int(data.loss_mask.sum())} trained tokens); "
