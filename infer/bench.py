@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from dflash_jax.evaluation.bench import Journal, markdown_table, run_bench, write_report
+from dflash_jax.evaluation.bench import Journal, check_replay, markdown_table, run_bench, write_report
 from dflash_jax.fileio import ensure_writable_dir
 from dflash_jax.evaluation.prompts import DATASETS, load_datasets, read_prompt_file
 from dflash_jax.errors import UserError
@@ -91,10 +91,8 @@ def bench_main(args: argparse.Namespace) -> int:
     if args.max_samples < 0:
         raise UsageError(f"--max-samples must be >= 0, got {args.max_samples}")
     sampling = sampling_of(args)
-    if args.replay and (1 not in args.adaptive or not sampling.greedy):
-        raise UsageError("--replay needs --adaptive with width 1 (e.g. --adaptive 1,2,4) and greedy decoding "
-                         f"(--temperature 0); got --adaptive {','.join(map(str, args.adaptive)) or '(none)'}, "
-                         f"--temperature {sampling.temperature}")
+    if args.replay:  # before any model is loaded
+        check_replay(args.adaptive, sampling)
     prompts_dir = Path(args.prompts_dir)
     # Read every prompt file before loading any model, so a bad file fails fast.
     datasets = {}

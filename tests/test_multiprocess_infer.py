@@ -17,7 +17,6 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["5,17,9,33,2,41", "7,7,8,19,23,4,4,60,11,3,27"]
 
 
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return write_tiny_pair(tmp_path_factory.mktemp("mp"))

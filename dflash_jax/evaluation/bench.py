@@ -143,6 +143,15 @@ class Journal:
         self._file.close()
 
 
+def check_replay(adaptive_widths: Sequence[int], sampling: SamplingConfig) -> None:
+    """The replay needs greedy decoding (the text must not depend on the widths) and width 1 among the
+    adaptive widths (the autoregressive round, whose measured cost is the unit)."""
+    if 1 not in adaptive_widths or not sampling.greedy:
+        raise UserError("--replay needs --adaptive with width 1 (e.g. --adaptive 1,2,4) and greedy decoding "
+                        f"(--temperature 0); got --adaptive {','.join(map(str, adaptive_widths)) or '(none)'}, "
+                        f"--temperature {sampling.temperature}")
+
+
 def run_bench(
     decoder: Any,
     tokenizer: Any,
@@ -166,9 +175,8 @@ def run_bench(
 
     if not decoder.has_draft:
         raise UserError("the benchmark needs a draft (DFlash) as well as the target")
-    if replay and (not sampling.greedy or 1 not in decoder.adaptive_widths):
-        raise UserError("the replay needs greedy decoding (temperature 0) and adaptive widths including 1 (the "
-                        "autoregressive round whose measured cost is the unit)")
+    if replay:
+        check_replay(decoder.adaptive_widths, sampling)
     block = int(decoder.block_size)
     greedy = sampling.greedy
     rows: list[dict] = []

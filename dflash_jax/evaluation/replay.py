@@ -122,7 +122,7 @@ def replay_adaptive(acceptance: np.ndarray, widths: tuple[int, ...], costs: Sequ
         for _ in range(int(rounds)):
             if i >= len(acceptance) - 1:
                 break
-            accepted = 0 if width == 1 else min(int(acceptance[i]), width - 1)
+            accepted = min(int(acceptance[i]), width - 1)  # none for width 1: nothing is verified
             if width > 1:
                 policy = observe[width](policy, jnp.int32(accepted))
             i += accepted + 1
@@ -137,6 +137,6 @@ def replay_oracle(acceptance: np.ndarray, widths: Sequence[int], costs: Sequence
     n = len(acceptance)
     best = np.zeros(n)  # best[i]: least time to finish from anchor i
     for i in range(n - 2, -1, -1):
-        best[i] = min(c + best[min(i + (0 if w == 1 else min(int(acceptance[i]), w - 1)) + 1, n - 1)]
+        best[i] = min(c + best[min(i + min(int(acceptance[i]), w - 1) + 1, n - 1)]
                       for w, c in zip(widths, costs))
     return float(best[0])
