@@ -86,6 +86,15 @@ def widths_arg(text: str) -> tuple[int, ...]:
     return widths
 
 
+def add_attention_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--attention", choices=("auto", "loop", "cudnn", "xla"), default="auto",
+                        help="attention kernel: auto (default; cuDNN's fused flash attention on a CUDA GPU with "
+                             "--dtype bfloat16, the loop elsewhere), loop (the portable chunked online softmax "
+                             "bounded by the live length), cudnn (force cuDNN; CUDA GPUs only), xla (the fused "
+                             "kernel's form through XLA's reference implementation: a correctness check, slow "
+                             "on long caches)")
+
+
 def add_device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-devices", type=int, metavar="N",
                         help="simulate N devices on the CPU (XLA's host platform device count), e.g. to try a mesh")

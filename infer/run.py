@@ -18,7 +18,7 @@ from dflash_jax.engine.generate import GenerationResult
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.evaluation.prompts import read_prompt_file
 from infer.cli import (
-    Parser, UsageError, add_device_args, run_cli, seed_arg, setup_devices, text_arg, widths_arg,
+    Parser, UsageError, add_attention_arg, add_device_args, run_cli, seed_arg, setup_devices, text_arg, widths_arg,
 )
 
 PROG = "python -m infer"
@@ -51,6 +51,7 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
                         help="shard the models over devices, e.g. tensor=8 or data=2,tensor=4 (axes data, fsdp, "
                              "tensor; the training's rules table: attention heads and MLP over tensor, KV caches "
                              "over KV heads, prompts over data); default: one device")
+    add_attention_arg(parser)
     add_device_args(parser)
 
 
@@ -127,7 +128,7 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
     if adaptive and draft_config is None:
         raise UsageError("--adaptive needs a draft (--ckpt)")
     decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype, mesh,
-                      adaptive)
+                      adaptive, attention=getattr(args, "attention", "auto"))
     # EOS ids come from the target's own generation config, whichever tokenizer directory is used.
     return decoder, tokenizer, stop_tokens_of(target_config, tokenizer, tokenizer_dir(target_path))
 

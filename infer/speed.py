@@ -32,7 +32,9 @@ from dflash_jax.fileio import ensure_writable_dir, write_text_atomic
 from dflash_jax.evaluation.speed import (
     PRESETS, SpeedSettings, format_report, preset_configs, preset_description, preset_models, run_speed,
 )
-from infer.cli import Parser, UsageError, add_device_args, run_cli, seed_arg, setup_devices, widths_arg
+from infer.cli import (
+    Parser, UsageError, add_attention_arg, add_device_args, run_cli, seed_arg, setup_devices, widths_arg,
+)
 
 PROG = "python -m infer speed"
 
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "data=2,tensor=4 (the component timings use the sharded params as placed)")
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights and prompts (default 0)")
     parser.add_argument("--json", metavar="FILE", help="also write the full report (every timing) as JSON to FILE")
+    add_attention_arg(parser)
     add_device_args(parser)
     return parser
 
@@ -110,7 +113,8 @@ def settings_of(args: argparse.Namespace, draft_block: int) -> SpeedSettings:
     settings = SpeedSettings(batch=args.batch, block_size=args.block_size or draft_block, context=args.context,
                              new_tokens=args.new_tokens, tau=args.tau, repeats=args.repeats,
                              e2e_repeats=args.e2e_repeats, seed=args.seed, dtype=resolve_dtype(args.dtype),
-                             cache_slots=args.cache_slots, adaptive_widths=tuple(args.adaptive))
+                             cache_slots=args.cache_slots, adaptive_widths=tuple(args.adaptive),
+                             attention=args.attention)
     settings.validate()
     if settings.block_size > draft_block:
         raise UsageError(f"--block-size {settings.block_size} is larger than the draft's block_size {draft_block}")

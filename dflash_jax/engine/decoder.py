@@ -20,6 +20,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig, read_json_object, token_ids_field
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.layers import check_attention_kernel
 from dflash_jax.precision import resolve_dtype
 
 
@@ -34,9 +35,11 @@ class Decoder:
     mesh: Any = None  # a jax Mesh (dflash_jax.sharding.make_mesh): params placed by the sharding rules table
     adaptive_widths: tuple[int, ...] = ()  # DecodeSettings.adaptive_widths: verify widths chosen per phase
     width_costs: tuple[float, ...] = ()  # DecodeSettings.width_costs: their relative round times (else measured)
+    attention: str = "auto"  # DecodeSettings.attention: the attention kernel
 
     def __post_init__(self):
         self.dtype = resolve_dtype(self.dtype)
+        check_attention_kernel(self.attention)
         if self.mesh is not None:  # params already in their shardings (straight from the loader) stay put
             from dflash_jax import sharding
 
@@ -75,7 +78,8 @@ class Decoder:
         self.check_fits([len(p) for p in prompts], max_new_tokens)
         settings = DecodeSettings(max_new_tokens, sampling, tuple(int(t) for t in stop_tokens), mesh=self.mesh,
                                   adaptive_widths=() if baseline else tuple(self.adaptive_widths),
-                                  width_costs=() if baseline else tuple(self.width_costs))
+                                  width_costs=() if baseline else tuple(self.width_costs),
+                                  attention=self.attention)
         if baseline or not self.has_draft:
             return generate(self.target_config, self.target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)

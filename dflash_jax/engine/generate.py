@@ -22,6 +22,7 @@ from dflash_jax.engine.sampling import SamplingConfig, accept_greedy, accept_sam
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.cache import KVCache
+from dflash_jax.models.layers import check_attention_kernel
 from dflash_jax.models.target import TargetModel, TargetOutput, init_cache
 from dflash_jax.precision import with_precision_policy
 
@@ -42,8 +43,12 @@ class DecodeSettings:
     # Relative time of a round of each verify width (the adaptive widths below the block, then the block);
     # empty: measured on the device when the program is compiled.
     width_costs: tuple[float, ...] = ()
+    # Attention kernel (models/layers.py ATTENTION_KERNELS): "auto" is cuDNN's fused flash attention on a CUDA
+    # GPU with 16-bit activations, the chunked online-softmax loop elsewhere.
+    attention: str = "auto"
 
     def __post_init__(self):
+        check_attention_kernel(self.attention)
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.prefill_chunk < 1:
@@ -291,12 +296,13 @@ def jitted_functions(target_config: TargetConfig, proposer, settings: DecodeSett
     """Jitted prefill and decode loop for one configuration (not yet compiled: ``generate`` compiles them
     ahead of time into its executable cache)."""
     pre = jax.jit(with_precision_policy(
-        functools.partial(prefill, target_config, proposer, settings, slots, dtype=dtype), dtype))
+        functools.partial(prefill, target_config, proposer, settings, slots, dtype=dtype), dtype, settings.attention))
     # Only the loop state (caches, buffers) is donated: params and proposer constants belong to the caller.
     # ``state_shardings`` (the prefill's output layout) pins the loop's output to its input layout, so a
     # streamed decode can feed the loop its own output.
     loop = jax.jit(with_precision_policy(
-        functools.partial(decode_loop, target_config, proposer, settings, dtype=dtype), dtype), donate_argnums=(2,),
+        functools.partial(decode_loop, target_config, proposer, settings, dtype=dtype), dtype, settings.attention),
+        donate_argnums=(2,),
         out_shardings=state_shardings)
     return pre, loop
 

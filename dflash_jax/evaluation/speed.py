@@ -52,6 +52,7 @@ from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.init import random_params
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig, default_target_layer_ids
+from dflash_jax.models.layers import attention_kernel
 from dflash_jax.models.target import TargetModel
 
 # --------------------------------------------------------------------------------------------------------
@@ -217,6 +218,7 @@ class SpeedSettings:
     dtype: Any = jnp.float32
     cache_slots: int | None = None  # component timings only: preallocate at least this many cache slots
     adaptive_widths: tuple[int, ...] = ()  # also decode end to end with these adaptive widths (oracle and draft)
+    attention: str = "auto"  # the attention kernel (DecodeSettings.attention)
 
     def validate(self) -> None:
         checks = [
@@ -268,7 +270,7 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
                       prompts: list[list[int]]) -> dict[str, Timing]:
     dtype, block, b = s.dtype, s.block_size, s.batch
     target = TargetModel(tc, dtype)
-    settings = DecodeSettings(max_new_tokens=s.new_tokens)
+    settings = DecodeSettings(max_new_tokens=s.new_tokens, attention=s.attention)
     width = prompt_width(s.context, s.new_tokens, tc.max_position_embeddings)
     tokens = np.zeros((b, width), np.int32)
     tokens[:, : s.context] = np.asarray(prompts, np.int32)
@@ -409,13 +411,14 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         from dflash_jax import sharding
 
         tp, dp = (jax.device_put(tree, sharding.tree_shardings(tree, mesh)) for tree in (tp, dp))
-    settings = DecodeSettings(max_new_tokens=s.new_tokens, mesh=mesh)
+    settings = DecodeSettings(max_new_tokens=s.new_tokens, mesh=mesh, attention=s.attention)
     adaptive = dataclasses.replace(settings, adaptive_widths=s.adaptive_widths)
     t_start = time.perf_counter()
     machine = machine_info()  # the load average at the start
 
     log("timing components (ar_step, verify, draft, round, ar_round) ...")
-    comp = component_timings(tc, tp, dc, dp, s, prompts)
+    with attention_kernel(s.attention):  # the component programs are traced here, outside generate()
+        comp = component_timings(tc, tp, dc, dp, s, prompts)
 
     log("end to end: the autoregressive reference output ...")
     run_ar = lambda: generate(tc, tp, prompts, NoProposer(), NoProposer().init(), settings,  # noqa: E731
@@ -471,7 +474,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         "settings": {"batch": s.batch, "block_size": s.block_size, "context": s.context,
                      "new_tokens": s.new_tokens, "tau": s.tau, "repeats": s.repeats,
                      "e2e_repeats": s.e2e_repeats, "seed": s.seed, "dtype": jnp.dtype(s.dtype).name,
-                     "adaptive_widths": list(s.adaptive_widths),
+                     "adaptive_widths": list(s.adaptive_widths), "attention": s.attention,
                      "mesh": None if mesh is None else dict(zip(mesh.axis_names, map(int, mesh.devices.shape)))},
         "models": {
             "target": {"layers": tc.num_hidden_layers, "hidden": tc.hidden_size, "heads": tc.num_attention_heads,

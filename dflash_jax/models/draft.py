@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.layers import (
-    MLP, RMSNorm, apply_rope, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
+    MLP, RMSNorm, Segment, apply_rope, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
 )
 
 
@@ -98,14 +98,20 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(h).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))
         return apply_rope(q, positions, rope_inv_freq(cfg.rope, cfg.head_dim))
 
-    def __call__(self, h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask):
+    def __call__(self, h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths=None):
         """``ctx_keys/values [B, KV, S, D]`` (the context cache, already roped) are read up to ``live`` slots
-        (``layers.cache_attention``); ``ctx_visible(key_positions [C]) -> [B, T, C]``; ``blk_mask [B, T, T]``."""
+        (``layers.cache_attention``); ``ctx_visible(key_positions [C]) -> [B, T, C]``; ``blk_mask [B, T, T]``.
+        ``ctx_lengths [B]``, where given, is the same context visibility as a per-row slot count with the whole
+        block visible (layers without a window), the form fused kernels take."""
         b, t, _ = h.shape
         q = self.queries(h, block_positions)
         k_blk, v_blk = self.keys_values(h, block_positions)
         k_blk, v_blk = to_cache_layout(k_blk), to_cache_layout(v_blk)
-        out = cache_attention(q, ctx_keys, ctx_values, ctx_visible, live, extra=[(k_blk, v_blk, blk_mask)])
+        segments = None
+        if ctx_lengths is not None:
+            segments = [Segment(ctx_keys, ctx_values, ctx_lengths), Segment(k_blk, v_blk, jnp.full((b,), t, jnp.int32))]
+        out = cache_attention(q, ctx_keys, ctx_values, ctx_visible, live, extra=[(k_blk, v_blk, blk_mask)],
+                              segments=segments)
         return self.o_proj(out.reshape(b, t, -1))
 
 
@@ -141,9 +147,9 @@ class DraftLayer(nn.Module):
         ctx = ctx + self.self_attn.o_proj(out.reshape(b, t, -1))
         return ctx + self.mlp(self.post_attention_layernorm(ctx))
 
-    def __call__(self, x, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask):
+    def __call__(self, x, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths=None):
         h = self.input_layernorm(x)
-        x = x + self.self_attn(h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask)
+        x = x + self.self_attn(h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -213,8 +219,10 @@ class DraftModel(nn.Module):
                 keys = jnp.broadcast_to(pos, (b, pos.shape[0]))
                 return context_mask(block_positions, keys, keys < cache.lengths[:, None], window)
 
+            # Without a window a block sees exactly the context slots before its anchor (fused kernels' form).
+            ctx_lengths = None if layer.window is not None else jnp.minimum(cache.lengths, block_positions[:, 0])
             x = layer(x, block_positions, cache.keys[i], cache.values[i], visible, live,
-                      block_mask(block_positions, layer.window))
+                      block_mask(block_positions, layer.window), ctx_lengths)
         if skip_anchor_logits:  # the anchor's prediction is never used at inference: save 1/B of the head
             x = x[:, 1:]
         return DraftOutput(self.logits(x, shared), cache)

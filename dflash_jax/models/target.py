@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.layers import (
-    MLP, RMSNorm, apply_rope, attention, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
+    MLP, RMSNorm, Segment, apply_rope, attention, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
 )
 
 
@@ -31,9 +31,10 @@ class TargetAttention(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None):
+    def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None):
         """``mask``: ``[B, T, T]`` without a cache; with one, ``visible(key_positions) -> [B, T, C]`` and the
-        ``live`` slot count that bounds the attention loop (``layers.cache_attention``)."""
+        ``live`` slot count that bounds the attention loop (``layers.cache_attention``), and ``spans``: the same
+        visibility as per-row counts ``(cache slots before the block, valid block tokens)`` for fused kernels."""
         cfg = self.config
         b, t, _ = x.shape
         dense = lambda n, bias, name: nn.Dense(  # noqa: E731
@@ -55,7 +56,9 @@ class TargetAttention(nn.Module):
             k_all = write_rows(cache_kv[0], k, slots)
             v_all = write_rows(cache_kv[1], v, slots)
             new_kv = (k_all, v_all)
-            out = cache_attention(q, k_all, v_all, mask, live)
+            segments = [Segment(k_all, v_all, spans[0]),
+                        Segment(to_cache_layout(k), to_cache_layout(v), spans[1], causal=True)]
+            out = cache_attention(q, k_all, v_all, mask, live, segments=segments)
         else:
             new_kv = None
             out = attention(q, [(to_cache_layout(k), to_cache_layout(v), mask)])
@@ -68,10 +71,11 @@ class DecoderLayer(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None):
+    def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None):
         cfg = self.config
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="input_layernorm")(x)
-        attn, new_kv = TargetAttention(cfg, self.dtype, name="self_attn")(h, positions, mask, cache_kv, slots, live)
+        attn, new_kv = TargetAttention(cfg, self.dtype, name="self_attn")(h, positions, mask, cache_kv, slots, live,
+                                                                          spans)
         x = x + attn
         h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="post_attention_layernorm")(x)
         x = x + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.dtype, name="mlp")(h)
@@ -124,7 +128,7 @@ class TargetModel(nn.Module):
         if valid is None:
             valid = jnp.ones(tokens.shape, bool)
         x = self.embed(tokens)
-        live = None
+        live = spans = None
         if cache is not None:
             slots = write_slots(positions, valid, cache.num_slots)
             new_lengths = lengths_after_write(cache.lengths, positions, valid)
@@ -132,13 +136,19 @@ class TargetModel(nn.Module):
 
             def mask(key_slot):
                 return (key_slot[None, None, :] <= positions[:, :, None]) & (key_slot < new_lengths[:, None, None])
+
+            # The same visibility for fused kernels: a row's valid tokens are the first of its block and sit at
+            # consecutive positions from its first one, so a query sees every cache slot before the block, then
+            # the block causally.
+            first = jnp.min(jnp.where(valid, positions, cache.num_slots), axis=1)
+            spans = (jnp.minimum(cache.lengths, first), jnp.sum(valid, axis=1, dtype=jnp.int32))
         else:
             slots = None
             mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
         features, new_keys, new_values = {}, [], []
         for i, layer in enumerate(self.layers):
             kv = (cache.keys[i], cache.values[i]) if cache is not None else None
-            x, new_kv = layer(x, positions, mask, kv, slots, live)
+            x, new_kv = layer(x, positions, mask, kv, slots, live, spans)
             if new_kv is not None:
                 new_keys.append(new_kv[0])
                 new_values.append(new_kv[1])

@@ -1,0 +1,198 @@
+"""The fused-kernel form of attention (``layers.fused_attention`` over length-bounded segments) and its use in
+the models and the engine, checked on CPU through XLA's implementation of the fused API (``--attention xla``):
+
+- against a dense NumPy softmax (float64), tolerance 1e-5;
+- the target's and the draft's cache forwards under the fused form against the loop (the independent path the
+  PyTorch parity tests cover), tolerance 1e-5 on logits and caches;
+- the shipped stories260K pair: identical tokens and acceptance lengths round by round with either kernel.
+
+cuDNN itself runs only on a CUDA GPU (``scripts/gpu_check.sh`` runs this module there); here its fallback is
+checked: ``auto`` on a GPU falls back to the loop where cuDNN refuses the shapes or is missing.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.engine.generate import DecodeSettings
+from dflash_jax.errors import UserError
+from dflash_jax.models import layers
+from dflash_jax.models.cache import KVCache
+from dflash_jax.models.draft import DraftModel, init_draft_cache, shared_head
+from dflash_jax.models.layers import Segment, attention_kernel, fused_attention
+from dflash_jax.models.target import TargetModel, init_cache
+from engine_tiny import tiny_draft, tiny_target
+
+ON_GPU = jax.default_backend() == "gpu"
+KERNELS = ["xla", "cudnn"] if ON_GPU else ["xla"]
+B, T, HQ, HKV, D = 3, 4, 4, 2, 16
+
+
+def dense_reference(q, segments):
+    """Softmax over the union of every segment's visible keys, float64, loop over rows/heads/queries."""
+    out = np.zeros(q.shape)
+    for b in range(B):
+        for h in range(HQ):
+            for t in range(T):
+                keys, vals = [], []
+                for k, v, lengths, causal in segments:
+                    n = lengths[b] if not causal else min(lengths[b], t + 1)
+                    keys.append(k[b, h // (HQ // HKV), :n])
+                    vals.append(v[b, h // (HQ // HKV), :n])
+                keys, vals = np.concatenate(keys).astype(np.float64), np.concatenate(vals).astype(np.float64)
+                if len(keys) == 0:
+                    continue
+                s = keys @ q[b, t, h].astype(np.float64) * D**-0.5
+                w = np.exp(s - s.max())
+                out[b, t, h] = w / w.sum() @ vals
+    return out
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_attention_equals_dense_softmax(kernel):
+    rng = np.random.default_rng(0)
+    dtype = np.float32 if kernel == "xla" else jnp.bfloat16
+    q = rng.standard_normal((B, T, HQ, D)).astype(np.float32)
+    cache = [rng.standard_normal((B, HKV, 40, D)).astype(np.float32) for _ in range(2)]
+    block = [rng.standard_normal((B, HKV, T, D)).astype(np.float32) for _ in range(2)]
+    # Row 0: a long prefix and a full block; row 1: no prefix and 2 valid block tokens; row 2: a prefix only.
+    prefix, valid = np.array([37, 0, 5], np.int32), np.array([T, 2, 0], np.int32)
+    segments = [(*cache, prefix, False), (*block, valid, True)]
+    fn = jax.jit(lambda q, segs: fused_attention(q, [Segment(k, v, n, c) for (k, v, n), c in
+                                                     zip(segs, (False, True))], kernel))
+    got = fn(jnp.asarray(q, dtype), [tuple(jnp.asarray(x, dtype) if x.dtype != np.int32 else x for x in s[:3])
+                                     for s in segments])
+    want = dense_reference(q, segments)
+    tol = 1e-5 if kernel == "xla" else 3e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=tol, rtol=tol)
+    # A query that sees nothing (row 2 has no prefix here) gets zeros, not NaN.
+    alone = fn(jnp.asarray(q, dtype), [(segments[0][0], segments[0][1], np.zeros(B, np.int32)),
+                                       (segments[1][0], segments[1][1], np.zeros(B, np.int32))])
+    assert not np.asarray(alone, np.float32).any()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_target(), tiny_draft(block=T)
+
+
+def under(kernel, fn, *args):
+    # Traced here, as a new function: jit's trace cache keys on the function, not on the kernel context.
+    with attention_kernel(kernel):
+        return jax.jit(lambda *a: fn(*a))(*args)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_target_cache_forward_matches_the_loop(tiny, kernel):
+    """A prefill of rows of different lengths (right padding), then a block after it with one row idle."""
+    (tc, tp), _ = tiny
+    model = TargetModel(tc)
+    rng = np.random.default_rng(1)
+    lengths = np.array([5, 12, 9])
+    tokens = rng.integers(0, tc.vocab_size, (B, 12)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(12, dtype=np.int32), (B, 12))
+    valid = np.arange(12)[None] < lengths[:, None]
+    block = rng.integers(0, tc.vocab_size, (B, T)).astype(np.int32)
+    block_pos = (lengths[:, None] + np.arange(T)).astype(np.int32)
+    block_valid = np.array([True, True, False])[:, None] & np.ones((1, T), bool)
+
+    def run(params):
+        first = model.apply({"params": params}, tokens, positions, init_cache(tc, B, 40), valid)
+        second = model.apply({"params": params}, block, block_pos, first.cache, block_valid)
+        return first.logits, second.logits, second.cache
+
+    want = under("loop", run, tp)
+    got = under(kernel, run, tp)
+    tol = 1e-5 if kernel == "xla" else 5e-2
+    np.testing.assert_allclose(np.asarray(got[0])[valid], np.asarray(want[0])[valid], atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(got[1])[:2], np.asarray(want[1])[:2], atol=tol, rtol=tol)
+    for g, w in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_draft_cache_forward_matches_the_loop(tiny, kernel):
+    """A later round: rows whose cached context has different lengths, new context written in the same pass."""
+    (tc, tp), (dc, dp) = tiny
+    model = DraftModel(dc)
+    rng = np.random.default_rng(2)
+    feats = rng.standard_normal((B, 6, len(dc.target_layer_ids) * tc.hidden_size)).astype(np.float32)
+    old = np.array([10, 3, 0])  # context already cached per row
+    ctx_pos = (old[:, None] + np.arange(6)).astype(np.int32)
+    ctx_valid = np.arange(6)[None] < np.array([6, 2, 4])[:, None]
+    anchor = old + ctx_valid.sum(1)
+    block_pos = (anchor[:, None] + np.arange(T)).astype(np.int32)
+    tokens = np.full((B, T), dc.mask_token_id, np.int32)
+    tokens[:, 0] = rng.integers(0, tc.vocab_size, B)
+    cache = init_draft_cache(dc, B, 40)
+    cache = KVCache(tuple(jnp.asarray(rng.standard_normal(k.shape), k.dtype) for k in cache.keys),
+                    tuple(jnp.asarray(rng.standard_normal(v.shape), v.dtype) for v in cache.values),
+                    jnp.asarray(old, jnp.int32))
+    shared = shared_head(tp, tc.tie_word_embeddings)
+
+    def run(params, cache):
+        out = model.apply({"params": params}, tokens, block_pos, feats, ctx_pos, ctx_valid, cache, shared)
+        return out.logits, out.cache
+
+    want = under("loop", run, dp, cache)
+    got = under(kernel, run, dp, cache)
+    tol = 1e-5 if kernel == "xla" else 5e-2
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=tol, rtol=tol)
+
+
+def test_stories260k_pair_decodes_identically_with_the_fused_form():
+    """The shipped demo pair (a real draft: acceptance ~4 per round), prompts of different lengths, chunked
+    prefill: the same tokens and acceptance lengths, round by round."""
+    from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET
+    from dflash_jax.checkpoints.loading import load_draft_any, load_target_any
+    from dflash_jax.engine.decoder import Decoder
+
+    tc, tp = load_target_any(DEMO_TARGET)
+    dc, dp = load_draft_any(DEMO_DRAFT)
+    rng = np.random.default_rng(3)
+    prompts = [[1] + rng.integers(3, 300, n).tolist() for n in (3, 20, 11)]
+    results = {}
+    for kernel in ("loop", "xla"):
+        decoder = Decoder(tc, tp, dc, dp, attention=kernel)
+        results[kernel] = decoder.generate(prompts, 48)
+    assert results["xla"].tokens == results["loop"].tokens
+    assert results["xla"].accept_lengths == results["loop"].accept_lengths
+    assert max(max(a) for a in results["loop"].accept_lengths) > 2  # the draft's context attention matters
+
+
+def test_auto_falls_back_to_the_loop_where_cudnn_refuses(monkeypatch):
+    """``auto`` on a GPU in bf16 tries cuDNN; a NotImplementedError (unsupported shapes) or RuntimeError (no
+    cuDNN) at trace time selects the loop, whose result is then exactly the loop's."""
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((B, T, HQ, D)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((B, HKV, 24, D)), jnp.bfloat16) for _ in range(2))
+    lengths = jnp.asarray([20, 7, 0], jnp.int32)
+    visible = lambda pos: jnp.broadcast_to(pos[None, None] < lengths[:, None, None], (B, T, pos.shape[0]))  # noqa: E731
+
+    def attend():
+        return layers.cache_attention(q, k, v, visible, jnp.max(lengths), segments=[Segment(k, v, lengths)])
+
+    with attention_kernel("loop"):
+        want = np.asarray(attend(), np.float32)
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    for error in (NotImplementedError, RuntimeError):
+        def refuse(*_, error=error):
+            raise error("refused")
+        monkeypatch.setitem(layers._KERNELS, "cudnn", refuse)
+        with attention_kernel("auto"):
+            np.testing.assert_array_equal(np.asarray(attend(), np.float32), want)
+    # float32 on a GPU never asks cuDNN (it needs 16-bit inputs).
+    monkeypatch.setitem(layers._KERNELS, "cudnn", lambda *_: pytest.fail("cuDNN called for float32"))
+    with attention_kernel("auto"):
+        layers.cache_attention(q.astype(jnp.float32), k, v, visible, jnp.max(lengths),
+                               segments=[Segment(k, v, lengths)])
+
+
+def test_bad_kernel_names_are_refused():
+    with pytest.raises(UserError, match="unknown attention kernel 'flash'.*auto, loop, cudnn, xla"):
+        DecodeSettings(max_new_tokens=4, attention="flash")
+    if not ON_GPU:
+        with pytest.raises(UserError, match="'cudnn' needs a CUDA GPU; this process runs on cpu"):
+            DecodeSettings(max_new_tokens=4, attention="cudnn")
