@@ -40,7 +40,7 @@ def with_precision_policy(fn: Callable, dtype: Any, attention: str | None = None
     """``fn`` traced under ``matmul_precision(dtype)`` and, if given, the ``attention`` kernel
     (``models.layers.attention_kernel``). Wrap before ``jax.jit``: the contexts apply at trace time, and what
     they choose is then part of the compiled program."""
-    from dflash_jax.models.layers import attention_kernel
+    from dflash_jax.models.attention_kernels import attention_kernel
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):

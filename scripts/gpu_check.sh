@@ -2,9 +2,13 @@
 # The accelerator checks docs/speed.md still lacks, in one run of at most ~8 minutes on a lent GPU (no install
 # there: PYTHONPATH=.; no grain and no ../shared, so data-dependent tests skip):
 #   bash scripts/gpu_check.sh [OUT_DIR]        (default: $OUT, else runs/gpu)
-# 1. the engine's tests on the GPU (float32 with explicit highest-precision matmuls: same greedy tokens as CPU);
-# 2. the speed tool at the Qwen3-8B shapes in bfloat16 (components, speedup bound, fixed vs adaptive widths);
-# 3. a round at 256 live tokens in a 16k-slot cache (the live-length claim on the device);
+# 1. the engine's tests on the GPU (float32 with explicit highest-precision matmuls: same greedy tokens as CPU),
+#    and the fused-attention tests, which on a GPU also run cuDNN's kernel (bf16) against the dense softmax and
+#    the loop;
+# 2. the speed tool at the Qwen3-8B shapes in bfloat16 (components, speedup bound, fixed vs adaptive widths;
+#    attention "auto" = cuDNN);
+# 3. a round at 256 live tokens in a 16k-slot cache (the live-length claim on the device), with cuDNN and with
+#    the loop (does cuDNN skip the slots past each row's length? does the loop pay per trip?);
 # 4. XLA's memory analysis of long-prompt prefills at the 8B shapes (chunked prefill).
 # Each step writes OUT_DIR/<step>.txt and prints its tail; a step that fails or runs out of time does not stop
 # the next.
@@ -26,10 +30,12 @@ step() {
 { nvidia-smi; python -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"; } \
   > "$OUT_DIR/machine.txt" 2>&1
 cat "$OUT_DIR/machine.txt"
-step tests 200 python -m pytest -q -x -p no:cacheprovider tests/test_engine_greedy.py tests/test_adaptive.py \
-  tests/test_replay.py tests/test_engine_sampling.py
+step tests 180 python -m pytest -q -p no:cacheprovider tests/test_fused_attention.py tests/test_engine_greedy.py \
+  tests/test_adaptive.py tests/test_replay.py tests/test_engine_sampling.py
 step speed-8b 120 python -m infer speed --preset qwen3-8b --dtype bfloat16 --context 1024 --new-tokens 256 --tau 6 \
   --repeats 5 --adaptive 1,4,8 --json "$OUT_DIR/speed-8b.json"
-step live-16k 90 python -m infer speed --preset qwen3-8b --dtype bfloat16 --context 256 --cache-slots 16384 \
-  --new-tokens 32 --tau 6 --repeats 5
-step prefill-memory 60 python scripts/prefill_memory.py --lengths 4096,16384,32768
+for kernel in cudnn loop; do
+  step "live-16k-$kernel" 75 python -m infer speed --preset qwen3-8b --dtype bfloat16 --context 256 \
+    --cache-slots 16384 --new-tokens 32 --tau 6 --repeats 3 --attention "$kernel"
+done
+step prefill-memory 50 python scripts/prefill_memory.py --lengths 4096,16384,32768

@@ -20,7 +20,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig, read_json_object, token_ids_field
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig
-from dflash_jax.models.layers import check_attention_kernel
+from dflash_jax.models.attention_kernels import check_attention_kernel
 from dflash_jax.precision import resolve_dtype
 
 

@@ -22,7 +22,7 @@ from dflash_jax.engine.sampling import SamplingConfig, accept_greedy, accept_sam
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.cache import KVCache
-from dflash_jax.models.layers import check_attention_kernel
+from dflash_jax.models.attention_kernels import check_attention_kernel
 from dflash_jax.models.target import TargetModel, TargetOutput, init_cache
 from dflash_jax.precision import with_precision_policy
 

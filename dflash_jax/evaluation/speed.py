@@ -52,7 +52,7 @@ from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.init import random_params
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig, default_target_layer_ids
-from dflash_jax.models.layers import attention_kernel
+from dflash_jax.models.attention_kernels import attention_kernel
 from dflash_jax.models.target import TargetModel
 
 # --------------------------------------------------------------------------------------------------------

@@ -6,17 +6,15 @@ conversion is a path map plus a transpose of linear weights (Flax ``kernel`` is 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.errors import UserError
+from dflash_jax.models.attention_kernels import Segment, active_kernel, fused_attention
 from dflash_jax.models.config import RopeConfig
 
 Dtype = Any
@@ -130,16 +128,15 @@ def cache_attention(
 
     ``segments`` describe the SAME attention as length-bounded key segments (the cache prefix every query
     sees, then the block's own keys), the form fused kernels take. When the trace runs under a fused kernel
-    (``attention_kernel``) and the caller gives them, the kernel replaces the loop (``fused_attention``).
+    (``attention_kernels.attention_kernel``) and the caller gives them, the kernel replaces the loop.
     """
-    kernel = _active_kernel(q.dtype) if segments is not None else "loop"
-    if kernel == "auto-cudnn":  # cuDNN where it accepts the shapes (checked at trace time), else the loop
-        try:
-            return fused_attention(q, segments, "cudnn")
-        except (NotImplementedError, RuntimeError):  # shapes cuDNN refuses; no cuDNN (a ROCm GPU)
-            kernel = "loop"
+    kernel, fallback = active_kernel(q.dtype) if segments is not None else ("loop", False)
     if kernel != "loop":
-        return fused_attention(q, segments, kernel)
+        try:
+            return fused_attention(q, segments, kernel)
+        except (NotImplementedError, RuntimeError):  # refused at trace time: shapes, no cuDNN (a ROCm GPU)
+            if not fallback:
+                raise
     b, t, hq, d = q.shape
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -183,101 +180,6 @@ def cache_attention(
     out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
     out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
     return out.astype(q.dtype)
-
-
-# Fused attention kernels. The loop above is portable and bounded by the live length, but on a GPU every trip
-# of a data-dependent loop waits for the host, per layer; a fused kernel (cuDNN's flash attention) takes the
-# per-row key count itself and needs no loop. Kernels take masks only in the form they support natively:
-# per-row key counts, and causal within a square block, which is why callers describe their attention as
-# ``Segment``s (no mask tensor over the cache slots, whose size would follow the slots, not the live length).
-ATTENTION_KERNELS = ("auto", "loop", "cudnn", "xla")
-_KERNEL = contextvars.ContextVar("attention_kernel", default="loop")
-
-
-class Segment(NamedTuple):
-    """Keys ``[B, Hkv, S, D]`` and values of one part of an attention, of which each row's query sees the first
-    ``lengths [B]``; ``causal``: query ``i`` sees key ``j`` only if ``j <= i`` (a block attending to itself)."""
-
-    keys: jax.Array
-    values: jax.Array
-    lengths: jax.Array
-    causal: bool = False
-
-
-def check_attention_kernel(name: str) -> str:
-    if name not in ATTENTION_KERNELS:
-        raise UserError(f"unknown attention kernel {name!r} (choose from {', '.join(ATTENTION_KERNELS)})")
-    if name == "cudnn" and jax.default_backend() != "gpu":
-        raise UserError(f"attention kernel 'cudnn' needs a CUDA GPU; this process runs on {jax.default_backend()}")
-    return name
-
-
-@contextlib.contextmanager
-def attention_kernel(name: str) -> Iterator[None]:
-    """Trace ``cache_attention`` calls inside with kernel ``name``: ``loop`` (the chunked online softmax),
-    ``cudnn`` (cuDNN flash attention, bf16/fp16 on CUDA GPUs), ``xla`` (the same segments through XLA's
-    reference implementation of that API: the CPU test of the fused path) or ``auto`` (``cudnn`` on a GPU
-    for 16-bit activations, when cuDNN accepts the shapes, ``loop`` otherwise)."""
-    token = _KERNEL.set(check_attention_kernel(name))
-    try:
-        yield
-    finally:
-        _KERNEL.reset(token)
-
-
-def _active_kernel(dtype: Any) -> str:
-    name = _KERNEL.get()
-    if name == "auto":
-        sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-        return "auto-cudnn" if jax.default_backend() == "gpu" and sixteen_bit else "loop"
-    return name
-
-
-def _kernel_xla(q, k, v, lengths, causal):
-    t = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [B, H, S, D] <-> [B, S, H, D], the public API's layout
-    out, lse = jax.nn.dot_product_attention(t(q), t(k), t(v), key_value_seq_lengths=lengths, is_causal=causal,
-                                            implementation="xla", return_residual=True)
-    return t(out), lse.transpose(0, 2, 1)
-
-
-def _kernel_cudnn(q, k, v, lengths, causal):
-    # The private entry point takes the cache's own [B, H, S, D] layout ("BNTH"): the public one would need a
-    # transposed copy of every key/value chunk. Its checks raise NotImplementedError at trace time for shapes
-    # cuDNN does not support.
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn
-
-    full = jnp.full((q.shape[0],), q.shape[2], jnp.int32)
-    mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
-    return cudnn.dot_product_attention(q, k, v, q_seqlen=full, kv_seqlen=lengths.astype(jnp.int32),
-                                       scale=q.shape[-1] ** -0.5, mask_type=mask, qkv_layout="BNTH",
-                                       return_residual=True)
-
-
-_KERNELS = {"xla": _kernel_xla, "cudnn": _kernel_cudnn}
-
-
-def fused_attention(q: jax.Array, segments: Sequence[Segment], kernel: str) -> jax.Array:
-    """Softmax attention of ``q [B, T, Hq, D]`` over all ``segments`` jointly: each segment through a fused
-    kernel, which returns its output and log-sum-exp, merged in float32 (a row's segment with no visible key
-    weighs nothing; a query seeing nothing gets zeros)."""
-    qh = q.transpose(0, 2, 1, 3)  # [B, Hq, T, D]
-    parts = []
-    for seg in segments:
-        out, lse = _KERNELS[kernel](qh, seg.keys.astype(q.dtype), seg.values.astype(q.dtype),
-                                    seg.lengths.astype(jnp.int32), seg.causal)
-        seen = (seg.lengths > 0)[:, None, None]
-        parts.append((jnp.where(seen[..., None], out.astype(jnp.float32), 0.0),
-                      jnp.where(seen, lse.astype(jnp.float32), -jnp.inf), seen))
-    top = parts[0][1]
-    for _, lse, _ in parts[1:]:
-        top = jnp.maximum(top, lse)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    total, acc = 0.0, 0.0
-    for out, lse, seen in parts:
-        w = jnp.where(seen, jnp.exp(lse - top), 0.0)
-        total, acc = total + w, acc + w[..., None] * out
-    out = jnp.where(total[..., None] > 0, acc / jnp.maximum(total, 1e-30)[..., None], 0.0)
-    return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
 def to_cache_layout(x: jax.Array) -> jax.Array:

@@ -13,10 +13,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.models.attention_kernels import Segment
 from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.layers import (
-    MLP, RMSNorm, Segment, apply_rope, attention, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
+    MLP, RMSNorm, apply_rope, attention, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
 )
 
 

@@ -1,0 +1,221 @@
+"""Fused attention kernels behind ``layers.cache_attention``.
+
+The chunked loop in ``layers.cache_attention`` is portable and bounded by the live length, but its trip count
+depends on data: XLA's GPU runtime generally checks such a loop's condition on the host every trip, in every
+layer, and every trip is a small kernel. A fused kernel takes each row's key count itself.
+
+Kernels take masks only in the form they support natively, per-row key counts and causal within a square
+block, so callers describe their attention as ``Segment``s: the cache prefix every query of a row sees, then
+the block's own keys. A mask tensor over the cache slots would cost what the slots cost, not the live length.
+Each segment runs through the kernel, which also returns its log-sum-exp; segments are merged in float32.
+
+- ``cudnn``: cuDNN flash attention (CUDA GPUs, bf16/fp16), in the cache's own ``[B, H, S, D]`` layout.
+- ``pallas``: a Pallas TPU kernel written here (scalar-prefetched row lengths; key/value chunks copied from
+  HBM only up to each row's length). Runs on CPU in Pallas's TPU interpret mode, which is how it is tested.
+- ``xla``: the segments through XLA's reference implementation of the fused API (scores over all slots): a
+  correctness check on any device, not a speed option.
+- ``auto``: ``cudnn`` on a CUDA GPU and ``pallas`` on a TPU for 16-bit activations, where the kernel accepts
+  the shapes at trace time; the loop otherwise (float32 runs, CPUs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.errors import UserError
+
+ATTENTION_KERNELS = ("auto", "loop", "cudnn", "pallas", "xla")
+_KERNEL = contextvars.ContextVar("attention_kernel", default="loop")
+_DEVICE_KERNEL = {"gpu": "cudnn", "tpu": "pallas"}  # what ``auto`` tries per backend
+
+
+class Segment(NamedTuple):
+    """Keys ``[B, Hkv, S, D]`` and values of one part of an attention, of which each row's queries see the
+    first ``lengths [B]``; ``causal``: query ``i`` sees key ``j`` only if ``j <= i`` (a block attending to
+    itself)."""
+
+    keys: jax.Array
+    values: jax.Array
+    lengths: jax.Array
+    causal: bool = False
+
+
+def check_attention_kernel(name: str) -> str:
+    if name not in ATTENTION_KERNELS:
+        raise UserError(f"unknown attention kernel {name!r} (choose from {', '.join(ATTENTION_KERNELS)})")
+    backend = jax.default_backend()
+    if name == "cudnn" and backend != "gpu":
+        raise UserError(f"attention kernel 'cudnn' needs a CUDA GPU; this process runs on {backend}")
+    return name
+
+
+@contextlib.contextmanager
+def attention_kernel(name: str) -> Iterator[None]:
+    """Trace the ``cache_attention`` calls inside with kernel ``name`` (``ATTENTION_KERNELS``; ``loop``, the
+    chunked online softmax, is the default outside this context)."""
+    token = _KERNEL.set(check_attention_kernel(name))
+    try:
+        yield
+    finally:
+        _KERNEL.reset(token)
+
+
+def active_kernel(dtype: Any) -> tuple[str, bool]:
+    """The kernel to trace with for activations of ``dtype``, and whether to fall back to the loop when it
+    refuses the shapes (``auto``)."""
+    name = _KERNEL.get()
+    if name != "auto":
+        return name, False
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return (_DEVICE_KERNEL.get(jax.default_backend(), "loop") if sixteen_bit else "loop"), True
+
+
+def _kernel_xla(q, k, v, lengths, causal):
+    t = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731  [B, H, S, D] <-> [B, S, H, D], the public API's layout
+    out, lse = jax.nn.dot_product_attention(t(q), t(k), t(v), key_value_seq_lengths=lengths, is_causal=causal,
+                                            implementation="xla", return_residual=True)
+    return t(out), lse.transpose(0, 2, 1)
+
+
+def _kernel_cudnn(q, k, v, lengths, causal):
+    # The private entry point takes the cache's own [B, H, S, D] layout ("BNTH"); the public one would need a
+    # transposed copy of every key and value. Its checks raise NotImplementedError at trace time for shapes
+    # cuDNN does not support.
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    full = jnp.full((q.shape[0],), q.shape[2], jnp.int32)
+    mask = cudnn.MaskType.PADDING_CAUSAL if causal else cudnn.MaskType.PADDING
+    return cudnn.dot_product_attention(q, k, v, q_seqlen=full, kv_seqlen=lengths, scale=q.shape[-1] ** -0.5,
+                                       mask_type=mask, qkv_layout="BNTH", return_residual=True)
+
+
+PALLAS_KV_CHUNK = 512  # keys per step of the Pallas kernel (copied from HBM into VMEM)
+PALLAS_Q_ROWS = 512  # query rows (heads of a group x block positions) per kernel instance
+
+
+TILE = 16  # row multiple of tiles and copies (the sublane tiling of bf16 on TPUs)
+
+
+def _largest_divisor(n: int, cap: int) -> int | None:
+    """The query tile: all ``n`` rows if they fit ``cap``, else the largest multiple of ``TILE`` dividing ``n``."""
+    if n <= cap:
+        return n
+    return next((d for d in range(cap - cap % TILE, 0, -TILE) if n % d == 0), None)
+
+
+def _kernel_pallas(q, k, v, lengths, causal, interpret: bool = False):
+    """q ``[B, Hkv, G*T, D]`` (a group's query heads stacked, block position fastest), k/v ``[B, Hkv, S, D]``
+    in HBM. One kernel instance per (row, KV head, query tile) walks the row's key chunks up to its length,
+    copying each from HBM and folding it into an online softmax in float32."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    b, hkv, rows, d = q.shape
+    slots = k.shape[2]
+    bq = _largest_divisor(rows, PALLAS_Q_ROWS)
+    if bq is None:
+        raise NotImplementedError(f"Pallas attention: {rows} query rows have no tile of <= {PALLAS_Q_ROWS}")
+    # Chunks are whole tiles; the last one moves back to overlap the previous one instead of reaching past.
+    bk = slots if slots < TILE else min(PALLAS_KV_CHUNK, slots - slots % TILE)
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    neg = jnp.finfo(jnp.float32).min
+    scale = d**-0.5
+
+    def kernel(lengths_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems):
+        row, head, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        n = lengths_ref[row]
+        qv = q_ref[...]
+        # A causal segment is the block itself (slots == block length): a query row's block position is
+        # row % slots, the group's heads being stacked with block position fastest.
+        query_pos = (tile * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)) % slots
+
+        def chunk(c, carry):
+            m, denom, acc = carry
+            start = jnp.minimum(c * bk, slots - bk)  # the last chunk moves back inside the cache
+            copies = [pltpu.make_async_copy(src.at[row, head, pl.ds(start, bk)], buf, sems.at[i])
+                      for i, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+            for cp in copies:
+                cp.start()
+            for cp in copies:
+                cp.wait()
+            key_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            fresh = (key_pos >= c * bk) & (key_pos < n)  # not covered by the previous chunk, and live
+            visible = fresh & (key_pos <= query_pos) if causal else jnp.broadcast_to(fresh, (bq, bk))
+            s = jax.lax.dot_general(qv, k_buf[...], (((1,), (1,)), ((), ())), precision=precision,
+                                    preferred_element_type=jnp.float32) * scale
+            s = jnp.where(visible, s, neg)
+            m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+            p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+            slot = start + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+            fresh_rows = (slot >= c * bk) & (slot < n)
+            values = jnp.where(fresh_rows, v_buf[...], 0)  # stale slots may hold anything, even NaN
+            alpha = jnp.exp(m - m_new)
+            acc = acc * alpha + jax.lax.dot_general(p.astype(values.dtype), values, (((1,), (0,)), ((), ())),
+                                                    precision=precision, preferred_element_type=jnp.float32)
+            return m_new, denom * alpha + p.sum(axis=1, keepdims=True), acc
+
+        init = (jnp.full((bq, 1), neg, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
+                jnp.zeros((bq, d), jnp.float32))
+        m, denom, acc = jax.lax.fori_loop(0, (n + bk - 1) // bk, chunk, init)
+        seen = denom > 0
+        denom = jnp.where(seen, denom, 1.0)
+        o_ref[...] = jnp.where(seen, acc / denom, 0.0).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(seen, m + jnp.log(denom), neg)
+
+    tile_spec = lambda width: pl.BlockSpec((None, None, bq, width), lambda i, j, r, _: (i, j, r, 0))  # noqa: E731
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1, grid=(b, hkv, rows // bq),
+        in_specs=[tile_spec(d), pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[tile_spec(d), tile_spec(1)],
+        scratch_shapes=[pltpu.VMEM((bk, d), k.dtype), pltpu.VMEM((bk, d), v.dtype), pltpu.SemaphoreType.DMA((2,))])
+    out, lse = pl.pallas_call(
+        kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3] + (1,), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
+        interpret=pltpu.InterpretParams() if interpret else False,
+    )(lengths, q, k, v)
+    return out, lse[..., 0]
+
+
+_KERNELS = {"xla": _kernel_xla, "cudnn": _kernel_cudnn, "pallas": _kernel_pallas}
+
+
+def fused_attention(q: jax.Array, segments: Sequence[Segment], kernel: str) -> jax.Array:
+    """Softmax attention of ``q [B, T, Hq, D]`` over all ``segments`` jointly (a row's segment with no visible
+    key weighs nothing; a query seeing nothing gets zeros)."""
+    b, t, hq, d = q.shape
+    hkv = segments[0].keys.shape[1]
+    g = hq // hkv
+    run = _KERNELS[kernel]
+    if kernel == "pallas":
+        # The Pallas kernel takes grouped rows [B, Hkv, G*T, D] (block position fastest, so row % T is the
+        # query's block position for a causal segment); off a TPU it runs in interpret mode.
+        query = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+        run = functools.partial(run, interpret=jax.default_backend() != "tpu")
+    else:
+        query = q.transpose(0, 2, 1, 3)  # [B, Hq, T, D]
+    parts = []
+    for seg in segments:
+        out, lse = run(query, seg.keys.astype(q.dtype), seg.values.astype(q.dtype), seg.lengths.astype(jnp.int32),
+                       seg.causal)
+        seen = (seg.lengths > 0)[:, None, None]
+        parts.append((jnp.where(seen[..., None], out.astype(jnp.float32), 0.0),
+                      jnp.where(seen, lse.astype(jnp.float32), -jnp.inf), seen))
+    top = parts[0][1]
+    for _, lse, _ in parts[1:]:
+        top = jnp.maximum(top, lse)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    total, acc = 0.0, 0.0
+    for out, lse, seen in parts:
+        w = jnp.where(seen, jnp.exp(lse - top), 0.0)
+        total, acc = total + w, acc + w[..., None] * out
+    out = jnp.where(total[..., None] > 0, acc / jnp.maximum(total, 1e-30)[..., None], 0.0)
+    if kernel == "pallas":
+        return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
+    return out.transpose(0, 2, 1, 3).astype(q.dtype)
