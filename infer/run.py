@@ -17,6 +17,7 @@ from dflash_jax.engine.decoder import Decoder, decode_continuation, encode_conve
 from dflash_jax.engine.generate import GenerationResult
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.evaluation.prompts import read_prompt_file
+from dflash_jax.models.attention_kernels import check_attention_kernel
 from infer.cli import (
     Parser, UsageError, add_attention_arg, add_device_args, run_cli, seed_arg, setup_devices, text_arg, widths_arg,
 )
@@ -107,6 +108,7 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
 
         args.target, args.ckpt = str(DEMO_TARGET), str(DEMO_DRAFT)
     setup_devices(args)
+    check_attention_kernel(getattr(args, "attention", "auto"))  # before loading anything
     mesh = None
     if getattr(args, "mesh", None):
         from dflash_jax.sharding import make_mesh

@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_jax.models.attention_kernels import check_attention_kernel
 from dflash_jax.precision import resolve_dtype
 from dflash_jax.fileio import ensure_writable_dir, write_text_atomic
 from dflash_jax.evaluation.speed import (
@@ -154,6 +155,7 @@ def speed_main(args: argparse.Namespace) -> int:
         ensure_writable_dir(out.parent, "--json")  # before the minutes of measuring
     t0 = time.perf_counter()
     setup_devices(args)
+    check_attention_kernel(args.attention)  # before building any model
     mesh = None
     if args.mesh:
         from dflash_jax.sharding import make_mesh

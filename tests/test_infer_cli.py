@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from cli_tiny import write_tiny_pair
@@ -65,7 +66,10 @@ def test_prompt_file_block_size_sampling_and_stream(pair, tmp_path, capsys):
     (["--target", "{target}", "--ckpt", "{draft}"], "--prompt"),
     (["--target", "{target}", "--ckpt", "{target}", "--prompt", "x"], "draft"),
     (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--bogus"], "--bogus"),
-])
+    (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--attention", "flash"], "--attention"),
+] + ([] if jax.default_backend() == "gpu" else [
+    (["--target", "{target}", "--ckpt", "{draft}", "--prompt", "x", "--attention", "cudnn"], "needs a CUDA GPU"),
+]))
 def test_bad_input_is_one_clear_error(pair, tmp_path, capsys, argv, message):
     target, draft = pair
     (tmp_path / "one.json").write_text('"hello"')
