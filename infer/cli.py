@@ -90,11 +90,12 @@ def add_attention_arg(parser: argparse.ArgumentParser) -> None:
     from dflash_jax.models.attention_kernels import ATTENTION_KERNELS
 
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="auto",
-                        help="attention kernel: auto (default; with --dtype bfloat16 cuDNN's fused flash attention "
-                             "on a CUDA GPU and dflash_jax's Pallas kernel on a TPU, the loop elsewhere), loop (the "
-                             "portable chunked online softmax bounded by the live length), cudnn (CUDA GPUs only), "
-                             "pallas (off a TPU: Pallas's interpreter, slow), xla (the fused kernels' form through "
-                             "XLA's reference implementation: a correctness check, slow on long caches)")
+                        help="attention kernel: auto (default; cuDNN's fused flash attention on a CUDA GPU with "
+                             "--dtype bfloat16, the loop elsewhere), loop (the portable chunked online softmax "
+                             "bounded by the live length), cudnn (CUDA GPUs only), pallas (dflash_jax's TPU kernel, "
+                             "not yet run on a TPU; off a TPU Pallas's interpreter, slow), xla (the fused kernels' "
+                             "form through XLA's reference implementation: a correctness check, slow on long "
+                             "caches)")
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:

@@ -10,6 +10,8 @@ cuDNN itself runs only on a CUDA GPU (``scripts/gpu_check.sh`` runs this module 
 checked: ``auto`` on a GPU falls back to the loop where cuDNN refuses the shapes or is missing.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,34 +197,40 @@ def test_pallas_kernel_in_bfloat16():
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
 
 
-def test_auto_falls_back_to_the_loop_where_the_kernel_refuses(monkeypatch):
-    """``auto`` in bf16 tries cuDNN on a GPU and the Pallas kernel on a TPU; a NotImplementedError (shapes)
-    or RuntimeError (no cuDNN) at trace time selects the loop, whose result is then exactly the loop's."""
+def test_auto_falls_back_to_the_loop_where_cudnn_refuses(monkeypatch):
+    """``auto`` in bf16 on a GPU tries cuDNN; a NotImplementedError (shapes) or RuntimeError (no cuDNN) at
+    trace time selects the loop, whose result is then exactly the loop's. On a TPU ``auto`` is the loop (the
+    Pallas kernel is opt-in), and float32 never asks a kernel."""
     rng = np.random.default_rng(4)
     q = jnp.asarray(rng.standard_normal((B, T, HQ, D)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((B, HKV, 24, D)), jnp.bfloat16) for _ in range(2))
     lengths = jnp.asarray([20, 7, 0], jnp.int32)
     visible = lambda pos: jnp.broadcast_to(pos[None, None] < lengths[:, None, None], (B, T, pos.shape[0]))  # noqa: E731
 
-    def attend():
-        return layers.cache_attention(q, k, v, visible, jnp.max(lengths), segments=[Segment(k, v, lengths)])
+    def attend(query=q):
+        return layers.cache_attention(query, k, v, visible, jnp.max(lengths), segments=[Segment(k, v, lengths)])
 
     with attention_kernel("loop"):
         want = np.asarray(attend(), np.float32)
-    for backend, kernel in (("gpu", "cudnn"), ("tpu", "pallas")):
-        monkeypatch.setattr(attention_kernels.jax, "default_backend", lambda backend=backend: backend)
-        for error in (NotImplementedError, RuntimeError):
-            def refuse(*_, error=error, **__):
-                raise error("refused")
-            monkeypatch.setitem(attention_kernels._KERNELS, kernel, refuse)
-            with attention_kernel("auto"):
-                np.testing.assert_array_equal(np.asarray(attend(), np.float32), want)
+    called = []
+
+    def refuse(*_, error, **__):
+        called.append(error)
+        raise error("refused")
+
     monkeypatch.setattr(attention_kernels.jax, "default_backend", lambda: "gpu")
-    # float32 on a GPU never asks cuDNN (it needs 16-bit inputs).
-    monkeypatch.setitem(attention_kernels._KERNELS, "cudnn", lambda *_: pytest.fail("cuDNN called for float32"))
+    for error in (NotImplementedError, RuntimeError):
+        monkeypatch.setitem(attention_kernels._KERNELS, "cudnn", functools.partial(refuse, error=error))
+        with attention_kernel("auto"):
+            np.testing.assert_array_equal(np.asarray(attend(), np.float32), want)
+    assert called == [NotImplementedError, RuntimeError]
     with attention_kernel("auto"):
-        layers.cache_attention(q.astype(jnp.float32), k, v, visible, jnp.max(lengths),
-                               segments=[Segment(k, v, lengths)])
+        attend(q.astype(jnp.float32))  # would raise through ``refuse`` if cuDNN were asked
+    monkeypatch.setattr(attention_kernels.jax, "default_backend", lambda: "tpu")
+    monkeypatch.setitem(attention_kernels._KERNELS, "pallas", functools.partial(refuse, error=AssertionError))
+    with attention_kernel("auto"):
+        np.testing.assert_array_equal(np.asarray(attend(), np.float32), want)
+    assert called == [NotImplementedError, RuntimeError]
 
 
 def test_bad_kernel_names_are_refused():

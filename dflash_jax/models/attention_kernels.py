@@ -11,11 +11,12 @@ Each segment runs through the kernel, which also returns its log-sum-exp; segmen
 
 - ``cudnn``: cuDNN flash attention (CUDA GPUs, bf16/fp16), in the cache's own ``[B, H, S, D]`` layout.
 - ``pallas``: a Pallas TPU kernel written here (scalar-prefetched row lengths; key/value chunks copied from
-  HBM only up to each row's length). Runs on CPU in Pallas's TPU interpret mode, which is how it is tested.
+  HBM only up to each row's length, the next chunk's copy overlapping the current chunk's compute). Runs on
+  CPU in Pallas's TPU interpret mode, which is how it is tested.
 - ``xla``: the segments through XLA's reference implementation of the fused API (scores over all slots): a
   correctness check on any device, not a speed option.
-- ``auto``: ``cudnn`` on a CUDA GPU and ``pallas`` on a TPU for 16-bit activations, where the kernel accepts
-  the shapes at trace time; the loop otherwise (float32 runs, CPUs).
+- ``auto``: ``cudnn`` on a CUDA GPU for 16-bit activations, where cuDNN accepts the shapes at trace time; the
+  loop otherwise (float32 runs, CPUs, TPUs: the Pallas kernel stays opt-in until it has run on a TPU).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dflash_jax.errors import UserError
 
 ATTENTION_KERNELS = ("auto", "loop", "cudnn", "pallas", "xla")
 _KERNEL = contextvars.ContextVar("attention_kernel", default="loop")
-_DEVICE_KERNEL = {"gpu": "cudnn", "tpu": "pallas"}  # what ``auto`` tries per backend
+_DEVICE_KERNEL = {"gpu": "cudnn"}  # what ``auto`` tries per backend
 
 
 class Segment(NamedTuple):
@@ -130,31 +131,44 @@ def _kernel_pallas(q, k, v, lengths, causal, interpret: bool = False):
     def kernel(lengths_ref, q_ref, k_hbm, v_hbm, o_ref, lse_ref, k_buf, v_buf, sems):
         row, head, tile = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         n = lengths_ref[row]
+        trips = (n + bk - 1) // bk
         qv = q_ref[...]
         # A causal segment is the block itself (slots == block length): a query row's block position is
         # row % slots, the group's heads being stacked with block position fastest.
         query_pos = (tile * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)) % slots
 
+        def copies(c, buffer):
+            start = jnp.minimum(c * bk, slots - bk)  # the last chunk moves back inside the cache
+            return [pltpu.make_async_copy(src.at[row, head, pl.ds(start, bk)], buf.at[buffer], sems.at[i, buffer])
+                    for i, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+
+        @pl.when(trips > 0)
+        def _():
+            for cp in copies(0, 0):
+                cp.start()
+
         def chunk(c, carry):
             m, denom, acc = carry
-            start = jnp.minimum(c * bk, slots - bk)  # the last chunk moves back inside the cache
-            copies = [pltpu.make_async_copy(src.at[row, head, pl.ds(start, bk)], buf, sems.at[i])
-                      for i, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
-            for cp in copies:
-                cp.start()
-            for cp in copies:
+            buffer = c % 2
+
+            @pl.when(c + 1 < trips)  # double buffering: fetch the next chunk while this one computes
+            def _():
+                for cp in copies(c + 1, 1 - buffer):
+                    cp.start()
+
+            for cp in copies(c, buffer):
                 cp.wait()
+            start = jnp.minimum(c * bk, slots - bk)
             key_pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             fresh = (key_pos >= c * bk) & (key_pos < n)  # not covered by the previous chunk, and live
             visible = fresh & (key_pos <= query_pos) if causal else jnp.broadcast_to(fresh, (bq, bk))
-            s = jax.lax.dot_general(qv, k_buf[...], (((1,), (1,)), ((), ())), precision=precision,
+            s = jax.lax.dot_general(qv, k_buf[buffer], (((1,), (1,)), ((), ())), precision=precision,
                                     preferred_element_type=jnp.float32) * scale
             s = jnp.where(visible, s, neg)
             m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
             p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
             slot = start + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-            fresh_rows = (slot >= c * bk) & (slot < n)
-            values = jnp.where(fresh_rows, v_buf[...], 0)  # stale slots may hold anything, even NaN
+            values = jnp.where((slot >= c * bk) & (slot < n), v_buf[buffer], 0)  # stale slots may hold NaN
             alpha = jnp.exp(m - m_new)
             acc = acc * alpha + jax.lax.dot_general(p.astype(values.dtype), values, (((1,), (0,)), ((), ())),
                                                     precision=precision, preferred_element_type=jnp.float32)
@@ -162,7 +176,7 @@ def _kernel_pallas(q, k, v, lengths, causal, interpret: bool = False):
 
         init = (jnp.full((bq, 1), neg, jnp.float32), jnp.zeros((bq, 1), jnp.float32),
                 jnp.zeros((bq, d), jnp.float32))
-        m, denom, acc = jax.lax.fori_loop(0, (n + bk - 1) // bk, chunk, init)
+        m, denom, acc = jax.lax.fori_loop(0, trips, chunk, init)
         seen = denom > 0
         denom = jnp.where(seen, denom, 1.0)
         o_ref[...] = jnp.where(seen, acc / denom, 0.0).astype(o_ref.dtype)
@@ -173,7 +187,8 @@ def _kernel_pallas(q, k, v, lengths, causal, interpret: bool = False):
         num_scalar_prefetch=1, grid=(b, hkv, rows // bq),
         in_specs=[tile_spec(d), pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[tile_spec(d), tile_spec(1)],
-        scratch_shapes=[pltpu.VMEM((bk, d), k.dtype), pltpu.VMEM((bk, d), v.dtype), pltpu.SemaphoreType.DMA((2,))])
+        scratch_shapes=[pltpu.VMEM((2, bk, d), k.dtype), pltpu.VMEM((2, bk, d), v.dtype),
+                        pltpu.SemaphoreType.DMA((2, 2))])
     out, lse = pl.pallas_call(
         kernel, grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(q.shape[:3] + (1,), jnp.float32)],
