@@ -80,6 +80,28 @@ def tiny():
     return tiny_target(), tiny_draft(block=T)
 
 
+def precision_of(kernel):
+    """cuDNN takes 16-bit inputs only: its checks run both kernels in bf16."""
+    return (jnp.bfloat16, 0.03) if kernel == "cudnn" else (jnp.float32, None)
+
+
+def assert_close(got, want, rel):
+    """float32: elementwise within 1e-5. bf16 (``rel``): every layer rounds its activations, so elements of
+    two exact-in-math implementations drift apart by ~0.1 on logits of a few units; the error relative to
+    the whole tensor's norm stays ~1% (a wrong merge or mask is O(1))."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if rel is None:
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        error = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert error <= rel, f"relative error {error:.4f} > {rel}"
+
+
+def cast(tree, dtype):
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating) else x,
+                        tree)
+
+
 def under(kernel, fn, *args):
     # Traced here, as a new function: jit's trace cache keys on the function, not on the kernel context.
     with attention_kernel(kernel):
@@ -90,7 +112,8 @@ def under(kernel, fn, *args):
 def test_target_cache_forward_matches_the_loop(tiny, kernel):
     """A prefill of rows of different lengths (right padding), then a block after it with one row idle."""
     (tc, tp), _ = tiny
-    model = TargetModel(tc)
+    dtype, tol = precision_of(kernel)
+    model = TargetModel(tc, dtype)
     rng = np.random.default_rng(1)
     lengths = np.array([5, 12, 9])
     tokens = rng.integers(0, tc.vocab_size, (B, 12)).astype(np.int32)
@@ -101,24 +124,24 @@ def test_target_cache_forward_matches_the_loop(tiny, kernel):
     block_valid = np.array([True, True, False])[:, None] & np.ones((1, T), bool)
 
     def run(params):
-        first = model.apply({"params": params}, tokens, positions, init_cache(tc, B, 40), valid)
+        first = model.apply({"params": params}, tokens, positions, init_cache(tc, B, 40, dtype), valid)
         second = model.apply({"params": params}, block, block_pos, first.cache, block_valid)
         return first.logits, second.logits, second.cache
 
-    want = under("loop", run, tp)
-    got = under(kernel, run, tp)
-    tol = 5e-2 if kernel == "cudnn" else 1e-5
-    np.testing.assert_allclose(np.asarray(got[0])[valid], np.asarray(want[0])[valid], atol=tol, rtol=tol)
-    np.testing.assert_allclose(np.asarray(got[1])[:2], np.asarray(want[1])[:2], atol=tol, rtol=tol)
+    want = under("loop", run, cast(tp, dtype))
+    got = under(kernel, run, cast(tp, dtype))
+    assert_close(np.asarray(got[0], np.float32)[valid], np.asarray(want[0], np.float32)[valid], tol)
+    assert_close(got[1][:2], want[1][:2], tol)
     for g, w in zip(jax.tree.leaves(got[2]), jax.tree.leaves(want[2])):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=tol, rtol=tol)
+        assert_close(g, w, tol)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_draft_cache_forward_matches_the_loop(tiny, kernel):
     """A later round: rows whose cached context has different lengths, new context written in the same pass."""
     (tc, tp), (dc, dp) = tiny
-    model = DraftModel(dc)
+    dtype, tol = precision_of(kernel)
+    model = DraftModel(dc, dtype)
     rng = np.random.default_rng(2)
     feats = rng.standard_normal((B, 6, len(dc.target_layer_ids) * tc.hidden_size)).astype(np.float32)
     old = np.array([10, 3, 0])  # context already cached per row
@@ -128,26 +151,26 @@ def test_draft_cache_forward_matches_the_loop(tiny, kernel):
     block_pos = (anchor[:, None] + np.arange(T)).astype(np.int32)
     tokens = np.full((B, T), dc.mask_token_id, np.int32)
     tokens[:, 0] = rng.integers(0, tc.vocab_size, B)
-    cache = init_draft_cache(dc, B, 40)
+    cache = init_draft_cache(dc, B, 40, dtype)
     cache = KVCache(tuple(jnp.asarray(rng.standard_normal(k.shape), k.dtype) for k in cache.keys),
                     tuple(jnp.asarray(rng.standard_normal(v.shape), v.dtype) for v in cache.values),
                     jnp.asarray(old, jnp.int32))
-    shared = shared_head(tp, tc.tie_word_embeddings)
+    shared = cast(shared_head(tp, tc.tie_word_embeddings), dtype)
+    feats = jnp.asarray(feats, dtype)
 
     def run(params, cache):
         out = model.apply({"params": params}, tokens, block_pos, feats, ctx_pos, ctx_valid, cache, shared)
         return out.logits, out.cache
 
-    want = under("loop", run, dp, cache)
-    got = under(kernel, run, dp, cache)
-    tol = 5e-2 if kernel == "cudnn" else 1e-5
+    want = under("loop", run, cast(dp, dtype), cache)
+    got = under(kernel, run, cast(dp, dtype), cache)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=tol, rtol=tol)
+        assert_close(g, w, tol)
 
 
 def test_stories260k_pair_decodes_identically_with_the_fused_form():
-    """The shipped demo pair (a real draft: acceptance ~4 per round), prompts of different lengths, chunked
-    prefill: the same tokens and acceptance lengths, round by round."""
+    """The shipped demo pair (a real draft: acceptance ~4 per round), prompts of different lengths: the same
+    tokens and acceptance lengths, round by round (float32; on a GPU without the Pallas interpreter)."""
     from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET
     from dflash_jax.checkpoints.loading import load_draft_any, load_target_any
     from dflash_jax.engine.decoder import Decoder
@@ -157,10 +180,11 @@ def test_stories260k_pair_decodes_identically_with_the_fused_form():
     rng = np.random.default_rng(3)
     prompts = [[1] + rng.integers(3, 300, n).tolist() for n in (3, 20, 11)]
     results = {}
-    for kernel in ("loop", "xla", "pallas"):
+    kernels = ("xla",) if ON_GPU else ("xla", "pallas")
+    for kernel in ("loop",) + kernels:
         decoder = Decoder(tc, tp, dc, dp, attention=kernel)
         results[kernel] = decoder.generate(prompts, 48)
-    for kernel in ("xla", "pallas"):
+    for kernel in kernels:
         assert results[kernel].tokens == results["loop"].tokens, kernel
         assert results[kernel].accept_lengths == results["loop"].accept_lengths, kernel
     assert max(max(a) for a in results["loop"].accept_lengths) > 2  # the draft's context attention matters
