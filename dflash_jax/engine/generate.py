@@ -43,12 +43,15 @@ class DecodeSettings:
     # Relative time of a round of each verify width (the adaptive widths below the block, then the block);
     # empty: measured on the device when the program is compiled.
     width_costs: tuple[float, ...] = ()
-    # Attention kernel (models/layers.py ATTENTION_KERNELS): "auto" is cuDNN's fused flash attention on a CUDA
-    # GPU with 16-bit activations, the chunked online-softmax loop elsewhere.
+    # Attention kernel (models/attention_kernels.py): "auto" is cuDNN's fused flash attention on a CUDA GPU
+    # with 16-bit activations, the chunked online-softmax loop elsewhere.
     attention: str = "auto"
 
     def __post_init__(self):
         check_attention_kernel(self.attention)
+        if self.attention == "pallas" and self.mesh is not None and self.mesh.size > 1:
+            # A pallas_call has no partitioning rule: XLA would gather every KV cache onto each device.
+            raise UserError("attention kernel 'pallas' runs on one device for now; use 'loop' with a mesh")
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.prefill_chunk < 1:

@@ -52,7 +52,7 @@ from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.init import random_params
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig, default_target_layer_ids
-from dflash_jax.models.attention_kernels import attention_kernel
+from dflash_jax.models.attention_kernels import attention_kernel, resolve_kernel
 from dflash_jax.models.target import TargetModel
 
 # --------------------------------------------------------------------------------------------------------
@@ -475,6 +475,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
                      "new_tokens": s.new_tokens, "tau": s.tau, "repeats": s.repeats,
                      "e2e_repeats": s.e2e_repeats, "seed": s.seed, "dtype": jnp.dtype(s.dtype).name,
                      "adaptive_widths": list(s.adaptive_widths), "attention": s.attention,
+                     "attention_kernel": resolve_kernel(s.attention, s.dtype),
                      "mesh": None if mesh is None else dict(zip(mesh.axis_names, map(int, mesh.devices.shape)))},
         "models": {
             "target": {"layers": tc.num_hidden_layers, "hidden": tc.hidden_size, "heads": tc.num_attention_heads,
@@ -514,7 +515,7 @@ def format_report(r: dict, title: str = "") -> str:
         f"({m['target']['params'] / 1e6:.1f}M params); draft {m['draft']['layers']} layers "
         f"({m['draft']['params'] / 1e6:.1f}M params, features of target layers {m['draft']['feature_layers']})",
         f"{s['dtype']}, batch {s['batch']}, block {block}, context {s['context']}, {s['new_tokens']} new tokens, "
-        f"tau {tau}; JAX {mach['jax']} on {mach['backend']} ({mach['device']}; {mach['machine']}, "
+        f"tau {tau}, attention {s.get('attention_kernel', 'loop')}; JAX {mach['jax']} on {mach['backend']} ({mach['device']}; {mach['machine']}, "
         f"{mach['cpu_count']} CPUs; load average {mach['load_avg_1m']} at start, {r.get('load_avg_1m_end')} at end)",
         "",
         f"Components (jitted, median of {s['repeats']} runs, compile excluded)   median ms     min ms   x AR step",

@@ -67,14 +67,20 @@ def attention_kernel(name: str) -> Iterator[None]:
         _KERNEL.reset(token)
 
 
+def resolve_kernel(name: str, dtype: Any) -> str:
+    """The kernel ``name`` means for activations of ``dtype`` on this backend (``auto`` resolved; where the
+    kernel then refuses the shapes at trace time, ``auto`` still falls back to the loop)."""
+    if name != "auto":
+        return name
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return _DEVICE_KERNEL.get(jax.default_backend(), "loop") if sixteen_bit else "loop"
+
+
 def active_kernel(dtype: Any) -> tuple[str, bool]:
     """The kernel to trace with for activations of ``dtype``, and whether to fall back to the loop when it
     refuses the shapes (``auto``)."""
     name = _KERNEL.get()
-    if name != "auto":
-        return name, False
-    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return (_DEVICE_KERNEL.get(jax.default_backend(), "loop") if sixteen_bit else "loop"), True
+    return resolve_kernel(name, dtype), name == "auto"
 
 
 def _kernel_xla(q, k, v, lengths, causal):
