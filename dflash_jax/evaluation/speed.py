@@ -516,7 +516,8 @@ def format_report(r: dict, title: str = "") -> str:
         f"({m['draft']['params'] / 1e6:.1f}M params, features of target layers {m['draft']['feature_layers']})",
         f"{s['dtype']}, batch {s['batch']}, block {block}, context {s['context']}, {s['new_tokens']} new tokens, "
         f"tau {tau}, attention {s.get('attention_kernel', 'loop')}; JAX {mach['jax']} on {mach['backend']} "
-        f"({mach['device']}; {mach['machine']}, {mach['cpu_count']} CPUs; load average {mach['load_avg_1m']} at start, {r.get('load_avg_1m_end')} at end)",
+        f"({mach['device']}; {mach['machine']}, {mach['cpu_count']} CPUs; load average {mach['load_avg_1m']} at "
+        f"start, {r.get('load_avg_1m_end')} at end)",
         "",
         f"Components (jitted, median of {s['repeats']} runs, compile excluded)   median ms     min ms   x AR step",
     ]
