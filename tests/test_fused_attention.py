@@ -256,6 +256,10 @@ def test_auto_falls_back_to_the_loop_where_cudnn_refuses(monkeypatch):
     with attention_kernel("auto"):
         np.testing.assert_array_equal(np.asarray(attend(), np.float32), want)
     assert called == [NotImplementedError, RuntimeError]
+    # Asked for by name, a kernel refusing the shapes is a clear error instead.
+    monkeypatch.setitem(attention_kernels._KERNELS, "pallas", functools.partial(refuse, error=NotImplementedError))
+    with attention_kernel("pallas"), pytest.raises(UserError, match="kernel 'pallas' cannot run this attention"):
+        attend()
 
 
 def test_bad_kernel_names_are_refused():

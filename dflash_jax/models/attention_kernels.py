@@ -104,16 +104,14 @@ def _kernel_cudnn(q, k, v, lengths, causal):
 
 PALLAS_KV_CHUNK = 512  # keys per step of the Pallas kernel (copied from HBM into VMEM)
 PALLAS_Q_ROWS = 512  # query rows (heads of a group x block positions) per kernel instance
-
-
 TILE = 16  # row multiple of tiles and copies (the sublane tiling of bf16 on TPUs)
 
 
-def _largest_divisor(n: int, cap: int) -> int | None:
-    """The query tile: all ``n`` rows if they fit ``cap``, else the largest multiple of ``TILE`` dividing ``n``."""
-    if n <= cap:
-        return n
-    return next((d for d in range(cap - cap % TILE, 0, -TILE) if n % d == 0), None)
+def _query_tile(rows: int) -> int | None:
+    """All ``rows`` if they fit one kernel instance, else the largest multiple of ``TILE`` dividing them."""
+    if rows <= PALLAS_Q_ROWS:
+        return rows
+    return next((d for d in range(PALLAS_Q_ROWS - PALLAS_Q_ROWS % TILE, 0, -TILE) if rows % d == 0), None)
 
 
 def _kernel_pallas(q, k, v, lengths, causal, interpret: bool = False):
@@ -125,7 +123,7 @@ def _kernel_pallas(q, k, v, lengths, causal, interpret: bool = False):
 
     b, hkv, rows, d = q.shape
     slots = k.shape[2]
-    bq = _largest_divisor(rows, PALLAS_Q_ROWS)
+    bq = _query_tile(rows)
     if bq is None:
         raise NotImplementedError(f"Pallas attention: {rows} query rows have no tile of <= {PALLAS_Q_ROWS}")
     # Chunks are whole tiles; the last one moves back to overlap the previous one instead of reaching past.

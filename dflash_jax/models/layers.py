@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.errors import UserError
 from dflash_jax.models.attention_kernels import Segment, active_kernel, fused_attention
 from dflash_jax.models.config import RopeConfig
 
@@ -134,9 +135,9 @@ def cache_attention(
     if kernel != "loop":
         try:
             return fused_attention(q, segments, kernel)
-        except (NotImplementedError, RuntimeError):  # refused at trace time: shapes, no cuDNN (a ROCm GPU)
+        except (NotImplementedError, RuntimeError) as e:  # refused at trace time: shapes, no cuDNN (ROCm)
             if not fallback:
-                raise
+                raise UserError(f"attention kernel {kernel!r} cannot run this attention: {e}") from e
     b, t, hq, d = q.shape
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
