@@ -105,3 +105,20 @@ def test_forced_width_overrides_the_choice():
     # A forced autoregressive phase (calibration) is as long as the longest unforced one.
     choice, rounds, _ = adaptive.next_phase(policy._replace(forced=jnp.int32(0)), (1, 4, 8), 8)
     assert int(choice) == 0 and int(rounds) == adaptive.MAX_PROBE_GAP * 8
+
+
+def test_narrow_phases_are_interrupted_by_one_round_of_the_full_block():
+    """A narrow width never observes the draft positions past it: every DEEP_PROBE_EVERY drafting phases in a
+    row below the full block, one round verifies the whole block, then the rates choose again."""
+    widths, block = (1, 4, 8), 8
+    # Positions 1-3 always accepted, 4 never (so width 4 is best by far), costs making width 4 attractive.
+    stats = jnp.asarray([[30.0] * 4 + [0.0] * 3, [30.0] * 3 + [0.0] * 4])
+    policy = adaptive.initial_policy(block, 3)._replace(stats=stats, costs=jnp.asarray([0.3, 0.5, 1.0]),
+                                                        last_width=jnp.int32(4), ar_blocks=jnp.int32(0))
+    taken = []
+    for _ in range(2 * adaptive.DEEP_PROBE_EVERY + 2):
+        choice, rounds, policy = adaptive.next_phase(policy, widths, block)
+        taken.append((widths[int(choice)], int(rounds)))
+        policy = policy._replace(last_width=jnp.int32(widths[int(choice)]))
+    narrow = [(4, adaptive.DRAFT_PHASE)] * adaptive.DEEP_PROBE_EVERY
+    assert taken == narrow + [(8, 1)] + narrow + [(8, 1)], taken

@@ -50,6 +50,9 @@ PROBE_PHASE = 1
 # blocks until the next probe run as one phase (measured on XLA:CPU: a phase decision costs ~60 us, most of
 # an autoregressive step of the demo pair, so one per block made autoregressive rounds 8% dearer).
 MAX_PROBE_GAP = 8
+# Narrow drafting widths never observe the draft positions past them, whose estimate then rests on the prior:
+# every DEEP_PROBE_EVERY drafting phases in a row below the full block, one round verifies the full block.
+DEEP_PROBE_EVERY = 4
 # Rounds timed per width by ``calibrate`` (best of CALIBRATION_REPEATS runs).
 CALIBRATION_ROUNDS = 32
 CALIBRATION_REPEATS = 3
@@ -66,6 +69,7 @@ class Policy(NamedTuple):
     probe_gap: jax.Array  # blocks of autoregressive rounds to wait before the next probe
     probing: jax.Array  # the last phase was a probe
     accepted: jax.Array  # drafts accepted per row in the last drafting round
+    narrow_phases: jax.Array  # drafting phases in a row below the full block since it was last verified
 
 
 def verify_widths(adaptive_widths: tuple[int, ...], block: int) -> tuple[int, ...]:
@@ -80,7 +84,8 @@ def initial_policy(block: int, num_widths: int) -> Policy:
     before the next probe: the gap starts at 0, so the first failure only raises it to 1)."""
     return Policy(stats=jnp.zeros((2, max(block - 1, 1)), jnp.float32), costs=jnp.ones((num_widths,), jnp.float32),
                   forced=jnp.int32(-1), last_width=jnp.int32(1), ar_blocks=jnp.int32(1),
-                  probe_gap=jnp.int32(0), probing=jnp.bool_(False), accepted=jnp.float32(0))
+                  probe_gap=jnp.int32(0), probing=jnp.bool_(False), accepted=jnp.float32(0),
+                  narrow_phases=jnp.int32(0))
 
 
 def observe(policy: Policy, accepted: jax.Array, width: int, active: jax.Array) -> Policy:
@@ -137,13 +142,17 @@ def next_phase(policy: Policy, widths: tuple[int, ...], block: int) -> tuple[jax
     # After autoregressive phases: wait or probe. After a failed probe: straight back to autoregressive rounds
     # (one round of evidence must not be outvoted by the prior of the positions it did not reach).
     choice = jnp.where(after_ar, jnp.where(probe, best_drafting, 0), jnp.where(failed, 0, best))
+    narrow = (choice > 0) & (choice < len(widths) - 1)
+    deep = narrow & (policy.narrow_phases >= DEEP_PROBE_EVERY)
+    choice = jnp.where(deep, len(widths) - 1, choice)
     choice = jnp.where(policy.forced >= 0, policy.forced, choice)
     plain = choice == 0
     # (A forced autoregressive phase, timed by ``calibrate``, lasts as long as the longest unforced one.)
     blocks = jnp.where(policy.forced >= 0, MAX_PROBE_GAP, jnp.maximum(gap - policy.ar_blocks, 1))
-    rounds = jnp.where(plain, blocks * block, after_drafting)
+    rounds = jnp.where(plain, blocks * block, jnp.where(deep, PROBE_PHASE, after_drafting))
+    narrow_phases = jnp.where(narrow & ~deep, policy.narrow_phases + 1, jnp.where(plain, policy.narrow_phases, 0))
     return choice, rounds, policy._replace(ar_blocks=jnp.where(plain, policy.ar_blocks + blocks, 0),
-                                           probe_gap=gap, probing=~plain & after_ar)
+                                           probe_gap=gap, probing=~plain & after_ar, narrow_phases=narrow_phases)
 
 
 def calibrate(widths: tuple[int, ...], run_rounds: Callable[[int], tuple[float, int]]) -> np.ndarray:
