@@ -36,15 +36,15 @@ def matmul_precision(dtype: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def with_precision_policy(fn: Callable, dtype: Any, attention: str | None = None) -> Callable:
-    """``fn`` traced under ``matmul_precision(dtype)`` and, if given, the ``attention`` kernel
-    (``models.layers.attention_kernel``). Wrap before ``jax.jit``: the contexts apply at trace time, and what
-    they choose is then part of the compiled program."""
+def with_precision_policy(fn: Callable, dtype: Any, attention: str | None = None, mesh: Any = None) -> Callable:
+    """``fn`` traced under ``matmul_precision(dtype)`` and, if given, the ``attention`` kernel for a program
+    sharded over ``mesh`` (``models.attention_kernels.attention_kernel``). Wrap before ``jax.jit``: the
+    contexts apply at trace time, and what they choose is then part of the compiled program."""
     from dflash_jax.models.attention_kernels import attention_kernel
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        kernel = attention_kernel(attention) if attention is not None else contextlib.nullcontext()
+        kernel = attention_kernel(attention, mesh) if attention is not None else contextlib.nullcontext()
         with matmul_precision(dtype), kernel:
             return fn(*args, **kwargs)
 

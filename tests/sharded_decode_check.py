@@ -19,7 +19,9 @@ from dflash_jax.engine.decoder import Decoder  # noqa: E402
 from dflash_jax.engine.generate import DecodeSettings, generate  # noqa: E402
 from dflash_jax.engine.proposers import OracleProposer  # noqa: E402
 from dflash_jax.engine.sampling import SamplingConfig  # noqa: E402
+from dflash_jax.models.attention_kernels import Segment, attention_kernel, fused_attention  # noqa: E402
 from dflash_jax.sharding import make_mesh  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from engine_tiny import tiny_draft, tiny_target  # noqa: E402
 
 tc, tp = tiny_target()
@@ -54,4 +56,20 @@ for name, spec in (("one", None), ("tensor2_data4", "data=4,tensor=2"), ("tensor
     r = generate(tc, decoder.target_params, prompts, oracle, oracle.init(reference, errors),
                  DecodeSettings(24, mesh=mesh))
     runs[f"{name}/greedy/oracle"] = {"tokens": r.tokens, "accept": r.accept_lengths}
-print(json.dumps({"devices": jax.device_count(), "runs": runs, "param_specs": specs}))
+    # The Pallas attention kernel (interpreted, so slow: 12 tokens) on each device's shard vs the loop on one.
+    if name in ("one", "tensor2_data4"):
+        kernel = "loop" if name == "one" else "pallas"
+        r = Decoder(tc, tp, dc, dp, 8, mesh=mesh, attention=kernel).generate(prompts, 12)
+        runs[f"{name}/short/{kernel}"] = {"tokens": r.tokens, "accept": r.accept_lengths}
+# The Pallas kernel under a mesh runs per shard: its compiled program moves no cache between devices (without
+# the mesh, XLA gathers the operands of the pallas_call onto every device).
+mesh = make_mesh("data=4,tensor=2")
+q = jax.device_put(np.ones((4, 8, 4, 16), np.float32), NamedSharding(mesh, P("data", None, "tensor", None)))
+kv = jax.device_put(np.ones((4, 2, 40, 16), np.float32), NamedSharding(mesh, P("data", "tensor", None, None)))
+lengths = jax.device_put(np.array([30, 3, 0, 9], np.int32), NamedSharding(mesh, P("data")))
+gathers = {}
+for label, context_mesh in (("per_shard", mesh), ("no_mesh", None)):
+    with attention_kernel("pallas", context_mesh):
+        fn = jax.jit(lambda q, k, v, n: fused_attention(q, [Segment(k, v, n)], "pallas"))
+        gathers[label] = fn.lower(q, kv, kv, lengths).compile().as_text().count("all-gather")
+print(json.dumps({"devices": jax.device_count(), "runs": runs, "param_specs": specs, "pallas_gathers": gathers}))

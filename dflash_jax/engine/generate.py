@@ -49,9 +49,6 @@ class DecodeSettings:
 
     def __post_init__(self):
         check_attention_kernel(self.attention)
-        if self.attention == "pallas" and self.mesh is not None and self.mesh.size > 1:
-            # A pallas_call has no partitioning rule: XLA would gather every KV cache onto each device.
-            raise UserError("attention kernel 'pallas' runs on one device for now; use 'loop' with a mesh")
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.prefill_chunk < 1:
@@ -299,12 +296,14 @@ def jitted_functions(target_config: TargetConfig, proposer, settings: DecodeSett
     """Jitted prefill and decode loop for one configuration (not yet compiled: ``generate`` compiles them
     ahead of time into its executable cache)."""
     pre = jax.jit(with_precision_policy(
-        functools.partial(prefill, target_config, proposer, settings, slots, dtype=dtype), dtype, settings.attention))
+        functools.partial(prefill, target_config, proposer, settings, slots, dtype=dtype), dtype, settings.attention,
+        settings.mesh))
     # Only the loop state (caches, buffers) is donated: params and proposer constants belong to the caller.
     # ``state_shardings`` (the prefill's output layout) pins the loop's output to its input layout, so a
     # streamed decode can feed the loop its own output.
     loop = jax.jit(with_precision_policy(
-        functools.partial(decode_loop, target_config, proposer, settings, dtype=dtype), dtype, settings.attention),
+        functools.partial(decode_loop, target_config, proposer, settings, dtype=dtype), dtype, settings.attention,
+        settings.mesh),
         donate_argnums=(2,),
         out_shardings=state_shardings)
     return pre, loop

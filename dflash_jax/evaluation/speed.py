@@ -417,7 +417,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
     machine = machine_info()  # the load average at the start
 
     log("timing components (ar_step, verify, draft, round, ar_round) ...")
-    with attention_kernel(s.attention):  # the component programs are traced here, outside generate()
+    with attention_kernel(s.attention, mesh):  # the component programs are traced here, outside generate()
         comp = component_timings(tc, tp, dc, dp, s, prompts)
 
     log("end to end: the autoregressive reference output ...")

@@ -33,6 +33,7 @@ from dflash_jax.errors import UserError
 
 ATTENTION_KERNELS = ("auto", "loop", "cudnn", "pallas", "xla")
 _KERNEL = contextvars.ContextVar("attention_kernel", default="loop")
+_MESH = contextvars.ContextVar("attention_mesh", default=None)  # the mesh the traced program is sharded over
 _DEVICE_KERNEL = {"gpu": "cudnn"}  # what ``auto`` tries per backend
 
 
@@ -57,14 +58,15 @@ def check_attention_kernel(name: str) -> str:
 
 
 @contextlib.contextmanager
-def attention_kernel(name: str) -> Iterator[None]:
+def attention_kernel(name: str, mesh: Any = None) -> Iterator[None]:
     """Trace the ``cache_attention`` calls inside with kernel ``name`` (``ATTENTION_KERNELS``; ``loop``, the
-    chunked online softmax, is the default outside this context)."""
-    token = _KERNEL.set(check_attention_kernel(name))
+    chunked online softmax, is the default outside this context), for a program sharded over ``mesh``."""
+    tokens = _KERNEL.set(check_attention_kernel(name)), _MESH.set(mesh)
     try:
         yield
     finally:
-        _KERNEL.reset(token)
+        _KERNEL.reset(tokens[0])
+        _MESH.reset(tokens[1])
 
 
 def resolve_kernel(name: str, dtype: Any) -> str:
@@ -202,6 +204,23 @@ def _kernel_pallas(q, k, v, lengths, causal, interpret: bool = False):
     return out, lse[..., 0]
 
 
+def _per_shard(run, mesh):
+    """``run`` (a Pallas kernel) on each device's shard: a ``pallas_call`` has no partitioning rule, so XLA
+    would otherwise gather every cache onto every device. Rows and KV heads are independent, and the engine
+    shards its caches exactly so (batch over data x fsdp, KV heads over tensor), hence no communication."""
+    from dflash_jax import sharding
+
+    def sharded(q, k, v, lengths, causal):
+        spec = lambda x: sharding.spec_for(x.shape, ("batch", "kv_heads", None, None), mesh)  # noqa: E731
+        out_specs = (spec(q), sharding.spec_for(q.shape[:3], ("batch", "kv_heads", None), mesh))
+        body = lambda q, k, v, lengths: run(q, k, v, lengths, causal)  # noqa: E731
+        return jax.shard_map(body, mesh=mesh, in_specs=(spec(q), spec(k), spec(v),
+                                                        sharding.spec_for(lengths.shape, ("batch",), mesh)),
+                             out_specs=out_specs, check_vma=False)(q, k, v, lengths)
+
+    return sharded
+
+
 _KERNELS = {"xla": _kernel_xla, "cudnn": _kernel_cudnn, "pallas": _kernel_pallas}
 
 
@@ -217,6 +236,9 @@ def fused_attention(q: jax.Array, segments: Sequence[Segment], kernel: str) -> j
         # query's block position for a causal segment); off a TPU it runs in interpret mode.
         query = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
         run = functools.partial(run, interpret=jax.default_backend() != "tpu")
+        mesh = _MESH.get()
+        if mesh is not None and mesh.size > 1:
+            run = _per_shard(run, mesh)
     else:
         query = q.transpose(0, 2, 1, 3)  # [B, Hq, T, D]
     parts = []
