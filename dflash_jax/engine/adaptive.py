@@ -47,8 +47,8 @@ PROBE_PHASE = 1
 # Autoregressive phases run in blocks of rounds (a block's features fill exactly one round context, filed
 # into the draft's cache before the next). Blocks before a probe: 1, doubled (up to MAX_PROBE_GAP) after
 # every probe whose round committed fewer tokens per unit of time than autoregressive rounds would have; the
-# blocks until the next probe run as one phase (measured on XLA:CPU: a phase decision costs ~60 us, most of
-# an autoregressive step of the demo pair, so one per block made autoregressive rounds 8% dearer).
+# blocks until the next probe run as one phase (an earlier version, deciding after every block, measured its
+# autoregressive rounds 8% dearer than baseline steps on XLA:CPU).
 MAX_PROBE_GAP = 8
 # Narrow drafting widths never observe the draft positions past them, whose estimate then rests on the prior:
 # every DEEP_PROBE_EVERY drafting phases in a row below the full block, one round verifies the full block.
