@@ -114,7 +114,7 @@ def cache_attention(
     live_slots: jax.Array,
     extra: Sequence[tuple[jax.Array, jax.Array, jax.Array]] = (),
     chunk: int = KV_CHUNK,
-    segments: Sequence["Segment"] | None = None,
+    segments: Sequence[Segment] | None = None,
 ) -> jax.Array:
     """Attention over a preallocated cache whose cost follows the LIVE length, not the number of slots.
 
