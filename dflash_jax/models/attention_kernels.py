@@ -48,6 +48,19 @@ class Segment(NamedTuple):
     causal: bool = False
 
 
+def group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """``[B, T, Hq, D]`` -> ``[B, Hkv, G*T, D]``: each KV head's query heads stacked, block position fastest
+    (so a batched dot over (batch, KV head) reads the cache in place, and row % T is a query's position)."""
+    b, t, hq, d = q.shape
+    return q.reshape(b, t, kv_heads, hq // kv_heads, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, d)
+
+
+def ungroup_queries(x: jax.Array, t: int) -> jax.Array:
+    """The inverse of ``group_queries``: ``[B, Hkv, G*T, D]`` -> ``[B, T, Hq, D]``."""
+    b, hkv, rows, d = x.shape
+    return x.reshape(b, hkv, rows // t, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, -1, d)
+
+
 def check_attention_kernel(name: str) -> str:
     if name not in ATTENTION_KERNELS:
         raise UserError(f"unknown attention kernel {name!r} (choose from {', '.join(ATTENTION_KERNELS)})")
@@ -227,14 +240,12 @@ _KERNELS = {"xla": _kernel_xla, "cudnn": _kernel_cudnn, "pallas": _kernel_pallas
 def fused_attention(q: jax.Array, segments: Sequence[Segment], kernel: str) -> jax.Array:
     """Softmax attention of ``q [B, T, Hq, D]`` over all ``segments`` jointly (a row's segment with no visible
     key weighs nothing; a query seeing nothing gets zeros)."""
-    b, t, hq, d = q.shape
-    hkv = segments[0].keys.shape[1]
-    g = hq // hkv
+    t = q.shape[1]
     run = _KERNELS[kernel]
     if kernel == "pallas":
         # The Pallas kernel takes grouped rows [B, Hkv, G*T, D] (block position fastest, so row % T is the
         # query's block position for a causal segment); off a TPU it runs in interpret mode.
-        query = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+        query = group_queries(q, segments[0].keys.shape[1])
         run = functools.partial(run, interpret=jax.default_backend() != "tpu")
         mesh = _MESH.get()
         if mesh is not None and mesh.size > 1:
@@ -258,5 +269,5 @@ def fused_attention(q: jax.Array, segments: Sequence[Segment], kernel: str) -> j
         total, acc = total + w, acc + w[..., None] * out
     out = jnp.where(total[..., None] > 0, acc / jnp.maximum(total, 1e-30)[..., None], 0.0)
     if kernel == "pallas":
-        return out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
+        return ungroup_queries(out, t).astype(q.dtype)
     return out.transpose(0, 2, 1, 3).astype(q.dtype)

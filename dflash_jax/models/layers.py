@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.errors import UserError
-from dflash_jax.models.attention_kernels import Segment, active_kernel, fused_attention
+from dflash_jax.models.attention_kernels import (
+    Segment, active_kernel, fused_attention, group_queries, ungroup_queries,
+)
 from dflash_jax.models.config import RopeConfig
 
 Dtype = Any
@@ -82,7 +84,7 @@ def attention(q: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.A
     """
     b, t, hq, d = q.shape
     hkv = segments[0][0].shape[1]
-    qg = q.reshape(b, t, hkv, hq // hkv, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, -1, d)  # [B, KV, G*T, D]
+    qg = group_queries(q, hkv)
     scores, masks = [], []
     for k, _, mask in segments:
         s = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
@@ -99,7 +101,7 @@ def attention(q: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.A
         p = probs[..., offset:offset + n].astype(v.dtype)
         out = out + jnp.einsum("bkqs,bksd->bkqd", p, v, preferred_element_type=jnp.float32)
         offset += n
-    out = out.reshape(b, hkv, hq // hkv, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    out = ungroup_queries(out, t)
     return out.astype(q.dtype)
 
 
@@ -142,7 +144,7 @@ def cache_attention(
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     size = min(chunk, slots)
-    qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    qg = group_queries(q, hkv)
     neg = jnp.finfo(jnp.float32).min
 
     def update(carry, k, v, mask):
@@ -179,7 +181,7 @@ def cache_attention(
         carry = update(carry, k, v, mask)
     _, l, acc = carry
     out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
-    out = out.reshape(b, hkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    out = ungroup_queries(out, t)
     return out.astype(q.dtype)
 
 
