@@ -31,7 +31,7 @@ def run(mesh_spec, devices, accum):
     dc, dp = tiny_draft()
     cfg = StepConfig(feature_layers=dc.target_layer_ids, accum_steps=accum, **STEP_KW)
     data = tiny_tokenized(rows=8)
-    batch = {"tokens": data.tokens, "loss_mask": data.loss_mask, "lengths": data.lengths}
+    batch = data.padded_rows()
     mesh = sharding.make_mesh(mesh_spec, devices)
     target, draft = TargetModel(tc), DraftModel(dc)
     # Adam's first update is lr * g / (|g| + eps): with the default eps a gradient entry of 1e-7 (pure

@@ -287,11 +287,20 @@ def test_tokenize_examples_padding_truncation_and_dropped_rows(char_tokenizer):
     ]
     data = tokenize_examples(char_tokenizer, examples, max_length=9)
     assert (data.num_truncated, data.num_without_targets, len(data), data.max_length) == (1, 2, 2, 9)
-    assert data.tokens.dtype == np.int32 and data.loss_mask.dtype == bool and data.lengths.tolist() == [9, 3]
+    # Stored back to back: memory follows the rows' own lengths, not max_length.
+    assert data.lengths.tolist() == [9, 3] and data.ids.shape == data.mask.shape == (12,)
+    assert data.ids.dtype == np.int32 and data.mask.dtype == bool
     first, _, _ = encode_example(char_tokenizer, examples[0], 9)
-    assert data.tokens[0].tolist() == first.tolist()
-    assert data.tokens[1].tolist() == [1] + spell("xy") + [0] * 6
-    assert data.loss_mask[1].tolist() == [False, True, True] + [False] * 6
+    assert data[0]["tokens"].tolist() == first.tolist()
+    # What the pipeline reads: one row padded to max_length.
+    assert data[1]["tokens"].tolist() == [1] + spell("xy") + [0] * 6
+    assert data[1]["loss_mask"].tolist() == [False, True, True] + [False] * 6
+    assert data[-1]["lengths"] == 3 and data[1]["tokens"].dtype == np.int32
+    batch = data.padded_rows()
+    assert batch["tokens"].shape == batch["loss_mask"].shape == (2, 9) and batch["lengths"].tolist() == [9, 3]
+    assert all((batch[k][i] == data[i][k]).all() for k in batch for i in range(2))
+    with pytest.raises(IndexError):
+        data[2]
     # A chunked (batched) tokenisation gives the same rows as encoding one example at a time.
     again = tokenize_examples(char_tokenizer, examples, max_length=9, chunk_size=1)
     assert again.fingerprint() == data.fingerprint()
@@ -309,18 +318,62 @@ def test_tokenized_data_save_load_and_fingerprint(char_tokenizer, tmp_path):
     back = TokenizedData.load(path)
     assert back.fingerprint() == data.fingerprint() and len(back) == 2
     assert (back.num_truncated, back.num_without_targets) == (data.num_truncated, data.num_without_targets)
-    changed = TokenizedData(data.tokens, data.loss_mask.copy(), data.lengths)
-    changed.loss_mask[0, 1] = ~changed.loss_mask[0, 1]
+    changed = TokenizedData(data.ids, data.mask.copy(), data.offsets, data.max_length)
+    changed.mask[1] = ~changed.mask[1]
     assert changed.fingerprint() != data.fingerprint()
+    wider = TokenizedData(data.ids, data.mask, data.offsets, data.max_length + 1)
+    assert wider.fingerprint() != data.fingerprint()
+    assert TokenizedData.from_padded(**data.padded_rows()).fingerprint() == data.fingerprint()
 
     truncated = tmp_path / "truncated.npz"
     truncated.write_bytes(path.read_bytes()[:100])
     foreign = tmp_path / "foreign.npz"
     np.savez(foreign, x=np.zeros(3))
-    for bad, message in ((truncated, "cannot read"), (foreign, "missing tokens"), (tmp_path / "no.npz", "not found")):
+    torn = tmp_path / "torn.npz"  # a row past the end of the ids
+    np.savez(torn, ids=data.ids, mask=data.mask, offsets=data.offsets + np.arange(len(data.offsets)),
+             max_length=np.int64(16), num_truncated=np.int64(0), num_without_targets=np.int64(0))
+    for bad, message in ((truncated, "cannot read"), (foreign, "missing ids"), (tmp_path / "no.npz", "not found"),
+                         (torn, "offsets must start at 0 and end at the")):
         with pytest.raises(DataError, match=message) as err:
             TokenizedData.load(bad)
         assert str(bad) in str(err.value)
+
+
+def test_tokenized_data_fingerprint_is_that_of_the_padded_arrays():
+    """The digest is sha256 over the padded arrays as they were once held in memory (so a run started with that
+    layout still resumes), built here row by row in plain Python and hashed in one piece."""
+    import hashlib
+
+    rng = np.random.default_rng(0)
+    rows = [(rng.integers(0, 50, n).astype(np.int32), rng.random(n) < 0.5) for n in (5, 1, 7, 3, 7)]
+    data = TokenizedData.from_rows(rows, max_length=7)
+    tokens = np.zeros((5, 7), np.int32)
+    mask = np.zeros((5, 7), bool)
+    for i, (ids, m) in enumerate(rows):
+        for j in range(len(ids)):
+            tokens[i, j], mask[i, j] = ids[j], m[j]
+    lengths = np.asarray([len(ids) for ids, _ in rows], np.int32)
+    h = hashlib.sha256()
+    for name, a in (("tokens", tokens), ("loss_mask", mask), ("lengths", lengths)):
+        h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+        h.update(a.tobytes())
+    assert data.fingerprint() == h.hexdigest() == data.fingerprint(chunk_rows=2)
+
+
+@pytest.mark.parametrize("arrays, message", [
+    (dict(ids=np.zeros(4, np.int64)), "1-D int32 and bool"),
+    (dict(mask=np.zeros(3, bool)), "1-D int32 and bool"),
+    (dict(offsets=np.asarray([0, 2, 4.0])), "integer array"),
+    (dict(offsets=np.asarray([1, 2, 4])), "start at 0"),
+    (dict(offsets=np.asarray([0, 0, 4])), "between 1 and max_length 3"),
+    (dict(offsets=np.asarray([0, 4, 4])), "between 1 and max_length 3"),
+    (dict(max_length=1), "at least 2"),
+])
+def test_tokenized_data_refuses_an_inconsistent_layout(arrays, message):
+    good = dict(ids=np.arange(4, dtype=np.int32), mask=np.ones(4, bool), offsets=np.asarray([0, 2, 4]), max_length=3)
+    TokenizedData(**good)
+    with pytest.raises(DataError, match=message):
+        TokenizedData(**(good | arrays))
 
 
 def test_opening_split_never_replays_a_training_start(tmp_path):

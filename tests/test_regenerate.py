@@ -267,7 +267,7 @@ def test_multi_turn_without_template_answers_from_the_training_context(setup, tm
     assert first == greedy_answer(decoder, tokenizer, stops, plain_prompt_ids(tokenizer, "ab"))
     assert second == greedy_answer(decoder, tokenizer, stops, plain_prompt_ids(tokenizer, "ab" + first + "cd"))
     data = tokenize_examples(tokenizer, read_examples(out)[0], 64, use_chat_template=False)
-    ids, mask = data.tokens[0][: data.lengths[0]].tolist(), data.loss_mask[0][: data.lengths[0]].tolist()
+    ids, mask = data.ids[: data.offsets[1]].tolist(), data.mask[: data.offsets[1]].tolist()
     start = mask.index(True, len(plain_prompt_ids(tokenizer, "ab" + first)) + 1)
     assert ids[:start] == plain_prompt_ids(tokenizer, "ab" + first + "cd")
 

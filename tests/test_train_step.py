@@ -35,8 +35,7 @@ def setup():
     tc, tp = tiny_target()
     dc, dp = tiny_draft()
     data = tiny_tokenized(rows=4)
-    batch = {"tokens": jnp.asarray(data.tokens), "loss_mask": jnp.asarray(data.loss_mask),
-             "lengths": jnp.asarray(data.lengths)}
+    batch = {k: jnp.asarray(v) for k, v in data.padded_rows().items()}
     return tc, tp, dc, dp, batch
 
 
@@ -86,7 +85,7 @@ def test_anchor_logits_are_never_computed():
     dc, dp = tiny_draft()
     cfg = StepConfig(feature_layers=dc.target_layer_ids, **STEP_KW)
     data = tiny_tokenized(rows=2)
-    batch = {"tokens": data.tokens, "loss_mask": data.loss_mask, "lengths": data.lengths}
+    batch = data.padded_rows()
     fn = jax.jit(lambda p: batch_loss_sums(p, tp, batch, jax.random.PRNGKey(0), jnp.arange(2), TargetModel(tc),
                                            DraftModel(dc), cfg).weighted_ce)
     hlo = fn.lower(dp).as_text()

@@ -22,7 +22,7 @@ def tiny_tokenized(rows: int = 16, length: int = 40, seed: int = 0) -> Tokenized
     for i in range(rows):
         loss_mask[i, rng.integers(2, 6):lengths[i]] = True
         tokens[i, lengths[i]:] = 0
-    return TokenizedData(tokens, loss_mask, lengths)
+    return TokenizedData.from_padded(tokens, loss_mask, lengths)
 
 
 def write_text_rows(path: Path, rows: int = 24, seed: int = 0) -> Path:

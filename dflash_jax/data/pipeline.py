@@ -16,42 +16,24 @@ import numpy as np
 
 from dflash_jax.errors import UserError
 
-FIELDS = ("tokens", "loss_mask", "lengths")
-
-
-class ArraySource:
-    """A grain random-access source over the rows of equally long numpy arrays (in memory or memory-mapped)."""
-
-    def __init__(self, arrays: Mapping[str, np.ndarray]):
-        sizes = {name: len(a) for name, a in arrays.items()}
-        if len(set(sizes.values())) != 1:
-            raise ValueError(f"arrays of different lengths: {sizes}")
-        self.arrays = dict(arrays)
-        self._len = next(iter(sizes.values()))
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-        return {name: a[index] for name, a in self.arrays.items()}
-
 
 def steps_per_run(num_rows: int, global_batch: int, epochs: int) -> int:
     """Optimizer steps in ``epochs`` passes (the last partial global batch is dropped)."""
     return (num_rows * epochs) // global_batch
 
 
-def make_dataset(arrays: Mapping[str, np.ndarray], global_batch: int, *, seed: int, epochs: int,
-                 process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
-    """Batches of this process: ``global_batch / process_count`` rows each, one per optimizer step."""
-    num_rows = len(ArraySource(arrays))
+def make_dataset(source: Any, global_batch: int, *, seed: int, epochs: int, process_index: int = 0,
+                 process_count: int = 1) -> grain.MapDataset:
+    """Batches of this process: ``global_batch / process_count`` rows each, one per optimizer step.
+    ``source``: random access to the rows (``len`` and ``source[i]``, e.g. a ``TokenizedData``)."""
+    num_rows = len(source)
     if global_batch % process_count:
         raise UserError(f"global batch {global_batch} is not divisible by the {process_count} processes")
     steps = steps_per_run(num_rows, global_batch, epochs)
     if steps < 1:
         raise UserError(f"{num_rows} rows x {epochs} epochs do not fill one global batch of {global_batch}")
     local = global_batch // process_count
-    ds = grain.MapDataset.source(ArraySource(arrays)).shuffle(seed=seed).repeat(epochs)
+    ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat(epochs)
     ds = ds.batch(local, drop_remainder=True)[: steps * process_count]
     return ds[process_index::process_count]
 

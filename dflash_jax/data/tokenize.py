@@ -205,36 +205,118 @@ def tokenize_spans(tokenizer: Any, rendered: Sequence[Sequence[Span]], joint: bo
 
 @dataclasses.dataclass
 class TokenizedData:
-    """Right-padded (with 0) token rows, their loss masks and lengths, ready for the trainer."""
+    """Token rows of different lengths and their loss masks, stored back to back, ready for the trainer.
 
-    tokens: np.ndarray  # [N, max_length] int32
-    loss_mask: np.ndarray  # [N, max_length] bool
-    lengths: np.ndarray  # [N] int32
+    A row takes its own length in memory, not ``max_length``: rows padded to a common length would hold
+    ~12 GB per process for 800k rows of max_length 3072 however short most answers are. The pipeline pads a
+    row only when it reads it (``self[i]``: the grain record ``tokens, loss_mask [max_length], lengths``)."""
+
+    ids: np.ndarray  # [total tokens] int32: every row's token ids, back to back
+    mask: np.ndarray  # [total tokens] bool: their loss masks
+    offsets: np.ndarray  # [N + 1] int64: row i is ids[offsets[i]:offsets[i + 1]]
+    max_length: int  # the length rows are padded to when read (every row is at most this long)
     num_truncated: int = 0  # rows cut at max_length (kept)
     num_without_targets: int = 0  # rows with no trained token (dropped)
 
-    ARRAYS = ("tokens", "loss_mask", "lengths")
+    ARRAYS = ("ids", "mask", "offsets")
+
+    def __post_init__(self):
+        self.ids, self.mask = np.asarray(self.ids), np.asarray(self.mask)
+        self.offsets = np.asarray(self.offsets)
+        problem = self._layout_problem()
+        if problem:
+            raise DataError(f"inconsistent tokenized data: {problem}")
+        self.offsets = self.offsets.astype(np.int64)
+        self.max_length = int(self.max_length)
+
+    def _layout_problem(self) -> str | None:
+        ids, mask, offsets = self.ids, self.mask, self.offsets
+        if ids.ndim != 1 or ids.dtype != np.int32 or mask.shape != ids.shape or mask.dtype != bool:
+            return f"ids {ids.shape} {ids.dtype} and mask {mask.shape} {mask.dtype} must be 1-D int32 and bool alike"
+        if offsets.ndim != 1 or offsets.size < 1 or not np.issubdtype(offsets.dtype, np.integer):
+            return f"offsets {offsets.shape} {offsets.dtype} must be a 1-D integer array of N + 1 row starts"
+        if offsets[0] != 0 or offsets[-1] != ids.size:
+            return f"offsets must start at 0 and end at the {ids.size} ids, not {offsets[0]} .. {offsets[-1]}"
+        lengths = np.diff(offsets)
+        if not isinstance(self.max_length, (int, np.integer)) or self.max_length < 2:
+            return f"max_length must be an integer of at least 2, got {self.max_length!r}"
+        if lengths.size and (lengths.min() < 1 or lengths.max() > self.max_length):
+            return (f"row lengths must be between 1 and max_length {self.max_length}, "
+                    f"got {lengths.min()} .. {lengths.max()}")
+        return None
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[tuple[np.ndarray, np.ndarray]], max_length: int, num_truncated: int = 0,
+                  num_without_targets: int = 0) -> "TokenizedData":
+        """From ``(ids, loss_mask)`` pairs, one per row."""
+        lengths = np.asarray([len(ids) for ids, _ in rows], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        ids = np.concatenate([np.asarray(r, np.int32) for r, _ in rows]) if rows else np.zeros((0,), np.int32)
+        mask = np.concatenate([np.asarray(m, bool) for _, m in rows]) if rows else np.zeros((0,), bool)
+        return cls(ids, mask, offsets, max_length, num_truncated, num_without_targets)
+
+    @classmethod
+    def from_padded(cls, tokens: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray) -> "TokenizedData":
+        """From right-padded ``tokens, loss_mask [N, max_length]`` and ``lengths [N]`` (what is past a row's
+        length is dropped)."""
+        tokens, loss_mask = np.asarray(tokens), np.asarray(loss_mask)
+        if tokens.ndim != 2 or loss_mask.shape != tokens.shape or np.shape(lengths) != tokens.shape[:1]:
+            raise DataError(f"padded rows need tokens and loss_mask [N, L] and lengths [N], got {tokens.shape}, "
+                            f"{loss_mask.shape} and {np.shape(lengths)}")
+        keep = np.arange(tokens.shape[1])[None] < np.asarray(lengths)[:, None]
+        offsets = np.concatenate([[0], np.cumsum(keep.sum(axis=1))]).astype(np.int64)
+        return cls(tokens[keep].astype(np.int32), loss_mask[keep].astype(bool), offsets, tokens.shape[1])
 
     def __len__(self) -> int:
-        return int(self.tokens.shape[0])
+        return int(self.offsets.size - 1)
 
     @property
-    def max_length(self) -> int:
-        return int(self.tokens.shape[1])
+    def lengths(self) -> np.ndarray:
+        """[N] int32 row lengths."""
+        return np.diff(self.offsets).astype(np.int32)
 
-    def fingerprint(self) -> str:
-        """sha256 of the arrays (shapes and dtypes included): a resumed training run checks it is fed the same
-        data."""
+    def padded_rows(self, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
+        """Rows ``start:stop`` as a batch of the trainer: ``tokens`` and ``loss_mask`` ``[n, max_length]``
+        right-padded with 0, ``lengths [n]``."""
+        stop = len(self) if stop is None else stop
+        offsets = self.offsets[start: stop + 1]
+        lengths = np.diff(offsets)
+        n = len(lengths)
+        tokens = np.zeros((n, self.max_length), np.int32)
+        mask = np.zeros((n, self.max_length), bool)
+        if n:
+            rows = np.repeat(np.arange(n), lengths)
+            cols = np.arange(offsets[-1] - offsets[0]) - np.repeat(offsets[:-1] - offsets[0], lengths)
+            tokens[rows, cols] = self.ids[offsets[0]: offsets[-1]]
+            mask[rows, cols] = self.mask[offsets[0]: offsets[-1]]
+        return {"tokens": tokens, "loss_mask": mask, "lengths": lengths.astype(np.int32)}
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        """Row ``index`` as the trainer's pipeline reads it (a grain random-access source)."""
+        index = int(index)
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} of {len(self)}")
+        index %= len(self)
+        return {name: rows[0] for name, rows in self.padded_rows(index, index + 1).items()}
+
+    def fingerprint(self, chunk_rows: int = 4096) -> str:
+        """sha256 of the rows as padded arrays (shapes and dtypes included), computed a chunk of rows at a time:
+        a resumed training run checks it is fed the same data. (The same digest as when the data was kept
+        padded in memory, so runs started then still resume.)"""
         h = hashlib.sha256()
-        for name in self.ARRAYS:
-            a = np.ascontiguousarray(getattr(self, name))
-            h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
-            h.update(a.tobytes())
+        n = len(self)
+        for field, dtype in (("tokens", "<i4"), ("loss_mask", "|b1")):
+            h.update(f"{field}:{dtype}:{(n, self.max_length)};".encode())
+            for start in range(0, n, chunk_rows):
+                h.update(self.padded_rows(start, min(start + chunk_rows, n))[field].tobytes())
+        lengths = self.lengths
+        h.update(f"lengths:{lengths.dtype.str}:{lengths.shape};".encode())
+        h.update(lengths.tobytes())
         return h.hexdigest()
 
     def save(self, path: str | Path) -> None:
         with atomic_write(path) as f:
-            np.savez(f, tokens=self.tokens, loss_mask=self.loss_mask, lengths=self.lengths,
+            np.savez(f, ids=self.ids, mask=self.mask, offsets=self.offsets, max_length=np.int64(self.max_length),
                      num_truncated=np.int64(self.num_truncated),
                      num_without_targets=np.int64(self.num_without_targets))
 
@@ -245,21 +327,20 @@ class TokenizedData:
             raise DataError(f"{path}: tokenized data file not found")
         try:
             with np.load(path, allow_pickle=False) as z:
-                missing = [k for k in cls.ARRAYS + ("num_truncated", "num_without_targets") if k not in z.files]
+                missing = [k for k in cls.ARRAYS + ("max_length", "num_truncated", "num_without_targets")
+                           if k not in z.files]
                 if missing:
                     raise DataError(f"{path}: not a tokenized data file (missing {', '.join(missing)})")
-                data = cls(z["tokens"], z["loss_mask"], z["lengths"], int(z["num_truncated"]),
-                           int(z["num_without_targets"]))
+                arrays = {k: z[k] for k in z.files}
         except DataError:
             raise
         except Exception as e:  # zipfile, numpy and OS errors for a truncated or foreign file
             raise DataError(f"{path}: cannot read tokenized data ({type(e).__name__}: {e})") from None
-        n = len(data.lengths)
-        if (data.tokens.ndim != 2 or data.tokens.shape != data.loss_mask.shape or data.tokens.shape[0] != n
-                or data.tokens.dtype != np.int32 or data.loss_mask.dtype != bool or data.lengths.dtype != np.int32):
-            raise DataError(f"{path}: inconsistent arrays (tokens {data.tokens.shape} {data.tokens.dtype}, loss_mask "
-                            f"{data.loss_mask.shape} {data.loss_mask.dtype}, lengths {data.lengths.shape})")
-        return data
+        try:
+            return cls(arrays["ids"], arrays["mask"], arrays["offsets"], arrays["max_length"].item(),
+                       int(arrays["num_truncated"]), int(arrays["num_without_targets"]))
+        except DataError as e:
+            raise DataError(f"{path}: {e}") from None
 
 
 def tokenize_examples(tokenizer: Any, examples: Sequence[Example], max_length: int, use_chat_template: bool = True,
@@ -297,11 +378,4 @@ def tokenize_examples(tokenizer: Any, examples: Sequence[Example], max_length: i
         raise DataError(f"{source}: none of the {len(examples)} examples has a token to train on (every row is a "
                         "prompt without an answer, or its answer starts after max_length); regenerate answers "
                         "first or raise max_length")
-    tokens = np.zeros((len(rows), max_length), np.int32)
-    loss_mask = np.zeros((len(rows), max_length), bool)
-    lengths = np.zeros((len(rows),), np.int32)
-    for i, (row_ids, mask) in enumerate(rows):
-        tokens[i, : len(row_ids)] = row_ids
-        loss_mask[i, : len(mask)] = mask
-        lengths[i] = len(row_ids)
-    return TokenizedData(tokens, loss_mask, lengths, num_truncated, num_without_targets)
+    return TokenizedData.from_rows(rows, max_length, num_truncated, num_without_targets)

@@ -146,11 +146,9 @@ class Run:
                        out_shardings=state_shardings)(self.init_params)
 
     def batches(self) -> BatchIterator:
-        data = self.tokenized
         return BatchIterator(make_dataset(
-            {"tokens": data.tokens, "loss_mask": data.loss_mask, "lengths": data.lengths}, self.global_batch,
-            seed=self.cfg["train"]["seed"], epochs=self.cfg["train"]["epochs"], process_index=jax.process_index(),
-            process_count=jax.process_count()))
+            self.tokenized, self.global_batch, seed=self.cfg["train"]["seed"], epochs=self.cfg["train"]["epochs"],
+            process_index=jax.process_index(), process_count=jax.process_count()))
 
     def jitted_step(self, state_shardings):
         """The train step jitted with the rule shardings and the train state donated."""
@@ -194,7 +192,7 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
     if cfg["train"]["global_batch"] % devices_per_batch:
         raise ConfigError(f"train.global_batch {cfg['train']['global_batch']} is not divisible by the {devices_per_batch} "
                           "devices the batch is split over (mesh.data x mesh.fsdp)")
-    vocab_top = int(tokenized.tokens.max())
+    vocab_top = int(tokenized.ids.max())
     if vocab_top >= target_config.vocab_size:
         raise ConfigError(f"data.train: token id {vocab_top} is outside the target's vocabulary "
                           f"({target_config.vocab_size}); is the tokenizer the target's own?")
@@ -207,7 +205,7 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
                           anchor_chunk=t["anchor_chunk"], accum_steps=t["accum_steps"],
                           tied_head=target_config.tie_word_embeddings, anchors=t["anchors"])
     global_batch = t["global_batch"]
-    num_rows = len(tokenized.lengths)
+    num_rows = len(tokenized)
     epoch_steps = steps_per_run(num_rows, global_batch, t["epochs"])
     total_steps = min(epoch_steps, t["max_steps"]) if t["max_steps"] else epoch_steps
     if total_steps < 1:
@@ -388,7 +386,7 @@ def read_training_data(cfg: dict, tokenizer: Any, log: Callable[[str], None], pr
             + (f", {stats.unfinished} unfinished rows left out" if stats.unfinished else ""))
     data = tokenize_examples(tokenizer, examples, cfg["data"]["max_length"], cfg["data"]["use_chat_template"],
                              progress=progress, enable_thinking=cfg["data"]["enable_thinking"], source=f"data.train ({', '.join(str(f) for f in files)})")
-    log(f"tokenized {len(data.lengths)} rows ({int(data.loss_mask.sum())} trained tokens); "
+    log(f"tokenized {len(data)} rows ({int(data.mask.sum())} trained tokens); "
         f"{data.num_truncated} truncated at {cfg['data']['max_length']} tokens, "
         f"{data.num_without_targets} without trainable tokens dropped")
     return data
