@@ -16,6 +16,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -147,6 +148,38 @@ def tree_shardings(tree: Any, mesh: Mesh) -> Any:
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Leading (batch) dimension over data x fsdp, the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(LOGICAL_TO_MESH["batch"], *([None] * (ndim - 1))))
+
+
+def constrain_batch(x: jax.Array, residual: bool = False) -> jax.Array:
+    """Pin an activation's leading (batch) dimension to data x fsdp under the mesh the computation is traced
+    with (``jax.set_mesh``). ``residual``: the rest is replicated (a residual stream, whole on every device of
+    the tensor axis as in Megatron-style tensor parallelism), else left to XLA (the tensor axis may split
+    heads, the MLP or the vocabulary). Without such constraints XLA lays activations out like the
+    fsdp-sharded weights they meet (hidden dimension over the devices): every device then computes every
+    sequence and activations are all-reduced (docs/training.md, memory plan). No mesh in context, or a batch
+    the axes do not divide: unchanged."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or x.ndim == 0:
+        return x
+    names = tuple(a for a in LOGICAL_TO_MESH["batch"] if a in mesh.shape and mesh.shape[a] > 1)
+    if not names or x.shape[0] % int(np.prod([mesh.shape[a] for a in names])):
+        return x
+    rest = None if residual else PartitionSpec.UNCONSTRAINED
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(names, *([rest] * (x.ndim - 1))))
+
+
+def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """``table[ids]`` (ids batch-first), batch-sharded under a mesh in context. The table is first constrained
+    to its vocabulary sharding alone (the fsdp-sharded hidden dimension gathered, as for any fsdp weight), so
+    that the lookup is vocabulary-parallel: XLA's partitioner cannot turn a gather from a table split over
+    both dimensions into batch-sharded rows without replicating them (measured: a full-batch all-gather of
+    the embeddings on a data x fsdp x tensor mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and table.ndim == 2:
+        vocab = LOGICAL_TO_MESH["vocab"]
+        split = vocab in mesh.shape and mesh.shape[vocab] > 1 and table.shape[0] % mesh.shape[vocab] == 0
+        table = jax.lax.with_sharding_constraint(table, PartitionSpec(vocab if split else None, None))
+    return constrain_batch(jnp.take(table, ids, axis=0), residual=True)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

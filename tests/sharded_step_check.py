@@ -1,6 +1,8 @@
 """Run in a subprocess with 8 fake CPU devices (tests/test_train_step.py): the same global batch through the
-train step on 1 device, 1 device with 4 accumulation micro-steps, and 8 devices (data=2, fsdp=2, tensor=2).
-Prints one JSON object with the largest differences of loss, gradients and updated params."""
+train step on 1 device, 1 device with 4 accumulation micro-steps, and 8 devices (data=2, fsdp=2, tensor=2;
+fsdp=8). Prints one JSON object with the largest differences of loss, gradients and updated params, and, per
+8-device mesh, the collectives of the compiled step that carry activations of the whole global batch outside
+the frozen target (the draft's side of the step should only ever hold each device's own rows)."""
 
 import os
 import sys
@@ -10,6 +12,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(__file__))
 
 import json  # noqa: E402
+import re  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -48,10 +51,25 @@ def run(mesh_spec, devices, accum):
         grads, sums = jax.jit(lambda p, t, b: accumulated_gradients(p, t, b, key, target, draft, cfg))(
             state.params, tp, batch)
         step = jax.jit(make_train_step(target, draft, cfg, optimizer), out_shardings=(state_sh, None))
+        hlo = step.lower(state, tp, batch).compile().as_text()
         new_state, metrics = step(state, tp, batch)
         kinds = {str(x.sharding.spec) for x in jax.tree.leaves(new_state.params)}
     return (float(metrics["loss"]), jax.device_get(grads), jax.device_get(new_state.params), len(mesh.devices.flat),
-            sorted(kinds))
+            sorted(kinds), full_batch_collectives(hlo, rows=8))
+
+
+def full_batch_collectives(hlo: str, rows: int) -> list[str]:
+    """Collectives of a compiled per-device program whose result is an activation (rank >= 3) of all ``rows``
+    sequences of the global batch, outside the frozen target's forward (whose layout is left to XLA)."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line)
+        op = re.search(r'op_name="([^"]*)"', line)
+        if (m and "TargetModel" not in (op.group(1) if op else "")
+                and any(len(dims.split(",")) >= 3 and int(dims.split(",")[0]) == rows
+                        for dims in re.findall(r"[a-z]+\d*\[([\d,]+)\]", m.group(1)))):
+            found.append(f"{m.group(2)} {m.group(1)} {op.group(1) if op else ''}")
+    return found
 
 
 def max_diff(a, b):
@@ -63,8 +81,10 @@ one = run("data=1", devs[:1], 1)
 accum = run("data=1", devs[:1], 4)
 eight = run("data=2,fsdp=2,tensor=2", devs, 1)
 eight_accum = run("data=2,fsdp=2,tensor=2", devs, 4)
-out = {"devices": [one[3], eight[3]], "loss": one[0], "sharded_specs": eight[4]}
-for name, other in (("accum4", accum), ("devices8", eight), ("devices8_accum4", eight_accum)):
+fsdp = run("fsdp=8", devs, 1)
+out = {"devices": [one[3], eight[3]], "loss": one[0], "sharded_specs": eight[4],
+       "full_batch_collectives": {"data=2,fsdp=2,tensor=2": eight[5], "fsdp=8": fsdp[5]}}
+for name, other in (("accum4", accum), ("devices8", eight), ("devices8_accum4", eight_accum), ("fsdp8", fsdp)):
     out[name] = {"loss": abs(other[0] - one[0]), "grads": max_diff(other[1], one[1]),
                  "params": max_diff(other[2], one[2])}
 print(json.dumps(out))

@@ -15,7 +15,7 @@ import pytest
 
 from dflash_jax.checkpoints.official_draft import load_draft
 from dflash_jax.models.draft import DraftModel, SharedHead, init_draft_cache
-from dflash_jax.training.anchors import block_labels, eligible_anchors, sample_anchors
+from dflash_jax.training.anchors import block_labels, eligible_anchors, sample_anchors, sample_row_anchors
 from dflash_jax.training.forward import draft_training_logits
 from dflash_jax.training.loss import decay_weights, default_gamma, dflash_loss
 from draft_tiny import HIDDEN, VOCAB, official_config, write_official_draft
@@ -78,6 +78,24 @@ def test_sample_anchors_single_sequence_and_more_anchors_than_positions():
     draws = jax.vmap(lambda k: sample_anchors(k, mask, 11, 3)[0][0])(jax.random.split(jax.random.key(2), 2000))
     freq = np.bincount(np.asarray(draws).ravel(), minlength=10) / 2000
     np.testing.assert_allclose(freq, 0.3, atol=0.05)
+
+
+def test_row_anchors_are_each_rows_own_draw():
+    """The train step's batched sampler: row i's anchors are sample_anchors of row i alone with key i (the
+    result a row gets whatever rows share its batch), also with more anchors than positions and for a row
+    with no eligible position."""
+    rng = np.random.default_rng(4)
+    lengths = np.array([24, 9, 17, 12])
+    masks = random_masks(rng, 4, L, lengths)
+    masks[3] = 0  # nothing to train: no anchor at all
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.PRNGKey(7), jnp.arange(4))
+    for num_anchors in (A, L + 5):
+        anchors, valid = sample_row_anchors(keys, masks, lengths, num_anchors)
+        for r in range(4):
+            want_a, want_v = sample_anchors(keys[r], masks[r], lengths[r], num_anchors)
+            np.testing.assert_array_equal(np.asarray(anchors[r]), np.asarray(want_a[0]))
+            np.testing.assert_array_equal(np.asarray(valid[r]), np.asarray(want_v[0]))
+        assert np.asarray(valid).any(axis=1).tolist() == [True, True, True, False]
 
 
 def test_block_labels_vs_brute_force():

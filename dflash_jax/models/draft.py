@@ -21,6 +21,7 @@ from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.layers import (
     MLP, RMSNorm, apply_rope, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
 )
+from dflash_jax.sharding import embedding_lookup
 
 
 class SharedHead(NamedTuple):
@@ -175,7 +176,7 @@ class DraftModel(nn.Module):
         return self.hidden_norm(self.fc(features.astype(self.dtype)))
 
     def embed_block(self, tokens: jax.Array, shared: SharedHead) -> jax.Array:
-        x = jnp.take(shared.embedding, tokens, axis=0).astype(self.dtype)
+        x = embedding_lookup(shared.embedding, tokens).astype(self.dtype)
         scale = self.config.input_embedding_scale
         return x * scale if scale != 1.0 else x
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.sharding import constrain_batch
+
 
 def _batched(loss_mask: jax.Array, lengths) -> tuple[jax.Array, jax.Array]:
     loss_mask = jnp.asarray(loss_mask)
@@ -43,15 +45,36 @@ def sample_anchors(key: jax.Array, loss_mask: jax.Array, lengths, num_anchors: i
     are taken and the rest are invalid. Sampling without replacement = the top ``A`` of i.i.d. uniform keys
     over the eligible positions (ineligible ones get key -1 and are never chosen ahead of an eligible one).
     """
+    elig = _padded_eligible(loss_mask, lengths, num_anchors)
+    return _top_scores(jnp.where(elig, jax.random.uniform(key, elig.shape), -1.0), num_anchors)
+
+
+def sample_row_anchors(row_keys: jax.Array, loss_mask: jax.Array, lengths, num_anchors: int
+                       ) -> tuple[jax.Array, jax.Array]:
+    """``sample_anchors`` for ``[N, L]`` rows with row ``i`` drawn from ``row_keys[i]`` alone (the same as
+    ``vmap``-ing ``sample_anchors`` over rows), so that a row's anchors do not depend on the rows it shares a
+    batch or a device with. Written for the batch rather than per row so that, under a mesh, the draws and
+    the selection stay with each device's own rows."""
+    elig = _padded_eligible(loss_mask, lengths, num_anchors)
+    uniforms = jax.vmap(lambda k: jax.random.uniform(k, elig.shape[1:]))(row_keys)
+    return _top_scores(constrain_batch(jnp.where(elig, uniforms, -1.0)), num_anchors)
+
+
+def _padded_eligible(loss_mask: jax.Array, lengths, num_anchors: int) -> jax.Array:
     elig = eligible_anchors(loss_mask, lengths)
-    n, length = elig.shape
+    length = elig.shape[1]
     if num_anchors > length:  # top_k needs k <= size: pad with never-eligible positions
         elig = jnp.pad(elig, ((0, 0), (0, num_anchors - length)))
-    scores = jnp.where(elig, jax.random.uniform(key, elig.shape), -1.0)
+    return elig
+
+
+def _top_scores(scores: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
+    """The positions of the ``num_anchors`` highest scores of each row (score -1: never valid), ascending with
+    the valid ones first."""
     top, idx = jax.lax.top_k(scores, num_anchors)
     valid = top >= 0.0
     # Sort: valid anchors ascending first, then the invalid ones (reset to position 0).
-    order = jnp.argsort(jnp.where(valid, idx, elig.shape[1] + idx), axis=1)
+    order = jnp.argsort(jnp.where(valid, idx, scores.shape[1] + idx), axis=1)
     idx = jnp.take_along_axis(idx, order, axis=1)
     valid = jnp.take_along_axis(valid, order, axis=1)
     return jnp.where(valid, idx, 0).astype(jnp.int32), valid

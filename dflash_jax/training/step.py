@@ -29,7 +29,8 @@ import optax
 from dflash_jax.errors import UserError
 from dflash_jax.models.draft import DraftModel, SharedHead, shared_head
 from dflash_jax.models.target import TargetModel
-from dflash_jax.training.anchors import block_labels, sample_anchors, uniform_anchors
+from dflash_jax.sharding import constrain_batch
+from dflash_jax.training.anchors import block_labels, sample_row_anchors, uniform_anchors
 from dflash_jax.precision import with_precision_policy
 from dflash_jax.training.forward import _block_hidden, _context_kv, frozen
 from dflash_jax.training.loss import LossSums, block_loss_sums, loss_and_metrics
@@ -63,8 +64,8 @@ class TrainState:
 def _chunk_logits_sums(module: DraftModel, context_kv, block_tokens, block_positions, anchor_valid, labels,
                        label_mask, shared, gamma):
     """Inside ``apply``: one chunk of anchors from block tokens to its ``LossSums`` (mask positions only)."""
-    x = _block_hidden(module, context_kv, block_tokens, block_positions, anchor_valid, shared)
-    return block_loss_sums(module.logits(x[:, :, 1:], shared), labels, label_mask, gamma)
+    x = constrain_batch(_block_hidden(module, context_kv, block_tokens, block_positions, anchor_valid, shared))
+    return block_loss_sums(constrain_batch(module.logits(x[:, :, 1:], shared)), labels, label_mask, gamma)
 
 
 def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, block_tokens: jax.Array,
@@ -82,13 +83,14 @@ def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, 
         labels, label_mask = jnp.pad(labels, widths), jnp.pad(label_mask, widths)
         anchor_valid = jnp.pad(anchor_valid, ((0, 0), (0, pad)))
     shared = frozen(shared)
-    context_kv = model.apply({"params": params}, target_features, method=_context_kv)
+    context_kv = jax.tree.map(constrain_batch, model.apply({"params": params}, target_features, method=_context_kv))
 
     def chunks(x):  # [N, A, ...] -> [num_chunks, N, chunk, ...]
         return jnp.moveaxis(x.reshape((n, -1, chunk) + x.shape[2:]), 1, 0)
 
     @jax.checkpoint
     def body(total, xs):
+        xs = tuple(constrain_batch(x) for x in xs)
         sums = model.apply({"params": params}, context_kv, *xs, shared, gamma, method=_chunk_logits_sums)
         return total + sums, None
 
@@ -112,15 +114,14 @@ def batch_loss_sums(draft_params: Any, target_params: Any, batch: Batch, key: ja
                     target: TargetModel, draft: DraftModel, cfg: StepConfig) -> LossSums:
     """The frozen target's features of the clean sequences, anchors drawn for each row from
     ``fold_in(key, row_index)``, then the chunked draft loss sums."""
+    batch = {k: constrain_batch(v) for k, v in batch.items()}  # sequences stay split over data x fsdp
     tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"].astype(bool), batch["lengths"]
-    features = target_features(target, target_params, batch, cfg.feature_layers)
+    features = constrain_batch(target_features(target, target_params, batch, cfg.feature_layers))
     if cfg.anchors == "uniform":
         anchors, valid = uniform_anchors(loss_mask, lengths, cfg.num_anchors, cfg.block_size)
     else:
         row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, row_index)
-        anchors, valid = jax.vmap(lambda k, m, n_: sample_anchors(k, m, n_, cfg.num_anchors))(
-            row_keys, loss_mask, lengths)
-        anchors, valid = anchors[:, 0], valid[:, 0]
+        anchors, valid = sample_row_anchors(row_keys, loss_mask, lengths, cfg.num_anchors)
     block_tokens, block_positions, labels, label_mask = block_labels(
         tokens, loss_mask, lengths, anchors, valid, cfg.block_size, mask_token_id=cfg.mask_token_id)
     shared = shared_head(target_params, cfg.tied_head)
