@@ -48,11 +48,12 @@ def test_cost_decides_between_widths():
     stats = jnp.asarray([[10.0, 0, 0], [5.0, 0, 0]])  # draft 1 accepted ~half the time, the rest never tried
     widths = (1, 2, 4)
     e = np.asarray(adaptive.expected_tokens(stats, widths))
-    cheap_block = adaptive.next_phase(adaptive.initial_policy(4, 3)._replace(
+    mid_answer = adaptive.initial_policy(4, 3)._replace(narrow_phases=jnp.int32(0))
+    cheap_block = adaptive.next_phase(mid_answer._replace(
         stats=stats, costs=jnp.asarray([1.0, 1.0, 1.0]), last_width=jnp.int32(4)), widths, 4)[0]
     assert int(cheap_block) == 2  # same cost: the most tokens
     def choice(rate, last_width):  # every drafting width at ``rate`` tokens per autoregressive step's time
-        return int(adaptive.next_phase(adaptive.initial_policy(4, 3)._replace(
+        return int(adaptive.next_phase(mid_answer._replace(
             stats=stats, costs=jnp.asarray([1.0, e[1] / rate, e[2] / rate]), last_width=jnp.int32(last_width)),
             widths, 4)[0])
 
@@ -69,7 +70,7 @@ def test_probe_schedule_backs_off_and_resets():
     hopeless = jnp.asarray([[20.0] * 7, [0.0] * 7])
     policy = adaptive.initial_policy(block, 3)._replace(stats=hopeless, costs=jnp.asarray([0.5, 0.8, 1.0]),
                                                         last_width=jnp.int32(8), ar_blocks=jnp.int32(0),
-                                                        probe_gap=jnp.int32(1))
+                                                        probe_gap=jnp.int32(1), narrow_phases=jnp.int32(0))
     phases = []
     for _ in range(12):
         choice, rounds, policy = adaptive.next_phase(policy, widths, block)
@@ -88,12 +89,19 @@ def test_probe_schedule_backs_off_and_resets():
 
 
 def test_decoding_opens_with_a_one_round_probe_of_the_full_block():
-    policy = adaptive.initial_policy(8, 3)._replace(costs=jnp.asarray([0.4, 0.8, 1.0]))
+    # Even where the prior alone favours a narrower width (width 4 at 0.5 of the block's cost: by the prior
+    # 2.95 / 0.5 tokens per unit of time against 4.16 / 1), the opening round verifies the whole block.
+    policy = adaptive.initial_policy(8, 3)._replace(costs=jnp.asarray([0.4, 0.5, 1.0]))
+    e = np.asarray(adaptive.expected_tokens(policy.stats, (1, 4, 8)))
+    assert e[1] / 0.5 > e[2] / 1.0
     choice, rounds, policy = adaptive.next_phase(policy, (1, 4, 8), 8)
     assert int(choice) == 2 and bool(policy.probing)
     assert int(rounds) == adaptive.PROBE_PHASE == 1
-    # A drafting phase after it (accepted: the rates choose) lasts DRAFT_PHASE rounds.
-    policy = adaptive.observe(policy, jnp.asarray([7]), 8, jnp.asarray([True]))._replace(last_width=jnp.int32(8))
+    assert int(policy.narrow_phases) == 0
+    # A drafting phase after it (accepted: the rates choose, here with width 4 at 0.8 of the block's cost)
+    # lasts DRAFT_PHASE rounds.
+    policy = adaptive.observe(policy, jnp.asarray([7]), 8, jnp.asarray([True]))._replace(
+        last_width=jnp.int32(8), costs=jnp.asarray([0.4, 0.8, 1.0]))
     choice, rounds, _ = adaptive.next_phase(policy, (1, 4, 8), 8)
     assert int(choice) == 2 and int(rounds) == adaptive.DRAFT_PHASE
 
@@ -114,7 +122,8 @@ def test_narrow_phases_are_interrupted_by_one_round_of_the_full_block():
     # Positions 1-3 always accepted, 4 never (so width 4 is best by far), costs making width 4 attractive.
     stats = jnp.asarray([[30.0] * 4 + [0.0] * 3, [30.0] * 3 + [0.0] * 4])
     policy = adaptive.initial_policy(block, 3)._replace(stats=stats, costs=jnp.asarray([0.3, 0.5, 1.0]),
-                                                        last_width=jnp.int32(4), ar_blocks=jnp.int32(0))
+                                                        last_width=jnp.int32(4), ar_blocks=jnp.int32(0),
+                                                        narrow_phases=jnp.int32(0))
     taken = []
     for _ in range(2 * adaptive.DEEP_PROBE_EVERY + 2):
         choice, rounds, policy = adaptive.next_phase(policy, widths, block)

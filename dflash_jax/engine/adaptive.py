@@ -78,14 +78,16 @@ def verify_widths(adaptive_widths: tuple[int, ...], block: int) -> tuple[int, ..
 
 
 def initial_policy(block: int, num_widths: int) -> Policy:
-    """Nothing observed yet: decoding starts as if after an autoregressive phase, with a one-round probe at
-    the width the prior favours (the full block unless it is much dearer), so a text the draft
-    cannot follow costs one drafting round, not a phase (and, failing, one block of autoregressive rounds
-    before the next probe: the gap starts at 0, so the first failure only raises it to 1)."""
+    """Nothing observed yet: decoding starts as if after an autoregressive phase, with a one-round probe of
+    the full block, so a text the draft cannot follow costs one drafting round, not a phase (and, failing,
+    one block of autoregressive rounds before the next probe: the gap starts at 0, so the first failure only
+    raises it to 1). The full block, not the width the prior favours, because that round observes every draft
+    position: opening narrower left the positions past it at the prior, and at high acceptance short answers
+    then never left the narrow width (``narrow_phases`` starts as if a deep probe were due)."""
     return Policy(stats=jnp.zeros((2, max(block - 1, 1)), jnp.float32), costs=jnp.ones((num_widths,), jnp.float32),
                   forced=jnp.int32(-1), last_width=jnp.int32(1), ar_blocks=jnp.int32(1),
                   probe_gap=jnp.int32(0), probing=jnp.bool_(False), accepted=jnp.float32(0),
-                  narrow_phases=jnp.int32(0))
+                  narrow_phases=jnp.int32(DEEP_PROBE_EVERY))
 
 
 def observe(policy: Policy, accepted: jax.Array, width: int, active: jax.Array) -> Policy:
