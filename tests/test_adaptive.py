@@ -131,3 +131,22 @@ def test_narrow_phases_are_interrupted_by_one_round_of_the_full_block():
         policy = policy._replace(last_width=jnp.int32(widths[int(choice)]))
     narrow = [(4, adaptive.DRAFT_PHASE)] * adaptive.DEEP_PROBE_EVERY
     assert taken == narrow + [(8, 1)] + narrow + [(8, 1)], taken
+
+
+def test_drafting_widths_only_open_with_the_full_block_and_probe_it_after_narrow_phases():
+    """Widths without 1 (``--adaptive 2,4``): the same opening round of the full block and the same deep
+    probes, only never an autoregressive phase."""
+    widths, block = (2, 4, 8), 8
+    policy = adaptive.initial_policy(block, 3)._replace(costs=jnp.asarray([0.3, 0.5, 1.0]))
+    choice, rounds, policy = adaptive.next_phase(policy, widths, block)
+    assert (widths[int(choice)], int(rounds)) == (8, adaptive.PROBE_PHASE)
+    # Positions 1-3 always accepted, 4 never: width 4 is best by far.
+    stats = jnp.asarray([[30.0] * 4 + [0.0] * 3, [30.0] * 3 + [0.0] * 4])
+    policy = policy._replace(stats=stats, last_width=jnp.int32(8))
+    taken = []
+    for _ in range(2 * adaptive.DEEP_PROBE_EVERY + 2):
+        choice, rounds, policy = adaptive.next_phase(policy, widths, block)
+        taken.append((widths[int(choice)], int(rounds)))
+        policy = policy._replace(last_width=jnp.int32(widths[int(choice)]))
+    narrow = [(4, adaptive.DRAFT_PHASE)] * adaptive.DEEP_PROBE_EVERY
+    assert taken == narrow + [(8, 1)] + narrow + [(8, 1)], taken

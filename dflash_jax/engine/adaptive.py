@@ -116,6 +116,16 @@ def expected_tokens(stats: jax.Array, widths: tuple[int, ...]) -> jax.Array:
     return jnp.stack([cumulative[w - 1] for w in widths])
 
 
+def _deep_probe(choice: jax.Array, policy: Policy, widths: tuple[int, ...], first_drafting: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(choice, narrow, deep)``: a drafting width below the full block (``narrow``) becomes one round of the
+    full block (``deep``) once DEEP_PROBE_EVERY narrow phases ran in a row (and at the opening, which starts
+    with the count there)."""
+    narrow = (choice >= first_drafting) & (choice < len(widths) - 1)
+    deep = narrow & (policy.narrow_phases >= DEEP_PROBE_EVERY)
+    return jnp.where(deep, len(widths) - 1, choice), narrow, deep
+
+
 def next_phase(policy: Policy, widths: tuple[int, ...], block: int) -> tuple[jax.Array, jax.Array, Policy]:
     """``(width index, rounds)`` of the next phase. After a drafting phase: the width with the most expected
     tokens per unit of time, for DRAFT_PHASE rounds. Autoregressive phases observe nothing, so what follows
@@ -132,8 +142,11 @@ def next_phase(policy: Policy, widths: tuple[int, ...], block: int) -> tuple[jax
     rate = rate * jnp.where(jnp.asarray(widths) == policy.last_width, 1.0 + HYSTERESIS, 1.0)
     best = jnp.argmax(rate).astype(jnp.int32)
     after_drafting = jnp.where(policy.last_width == 1, PROBE_PHASE, DRAFT_PHASE).astype(jnp.int32)
-    if widths[0] != 1:
-        return jnp.where(policy.forced >= 0, policy.forced, best), after_drafting, policy
+    if widths[0] != 1:  # no autoregressive width: drafting phases only (and deep probes)
+        choice, narrow, deep = _deep_probe(best, policy, widths, first_drafting=0)
+        narrow_phases = jnp.where(narrow & ~deep, policy.narrow_phases + 1, 0)
+        return (jnp.where(policy.forced >= 0, policy.forced, choice), jnp.where(deep, PROBE_PHASE, after_drafting),
+                policy._replace(narrow_phases=narrow_phases))
     probe_cost = jnp.sum(jnp.where(jnp.asarray(widths) == policy.last_width, policy.costs, 0.0))
     failed = policy.probing & ((policy.accepted + 1.0) * policy.costs[0] < probe_cost)
     gap = jnp.where(policy.probing, jnp.where(failed, jnp.clip(2 * policy.probe_gap, 1, MAX_PROBE_GAP), 1),
@@ -144,9 +157,7 @@ def next_phase(policy: Policy, widths: tuple[int, ...], block: int) -> tuple[jax
     # After autoregressive phases: wait or probe. After a failed probe: straight back to autoregressive rounds
     # (one round of evidence must not be outvoted by the prior of the positions it did not reach).
     choice = jnp.where(after_ar, jnp.where(probe, best_drafting, 0), jnp.where(failed, 0, best))
-    narrow = (choice > 0) & (choice < len(widths) - 1)
-    deep = narrow & (policy.narrow_phases >= DEEP_PROBE_EVERY)
-    choice = jnp.where(deep, len(widths) - 1, choice)
+    choice, narrow, deep = _deep_probe(choice, policy, widths, first_drafting=1)
     choice = jnp.where(policy.forced >= 0, policy.forced, choice)
     plain = choice == 0
     # (A forced autoregressive phase, timed by ``calibrate``, lasts as long as the longest unforced one.)
