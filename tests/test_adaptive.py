@@ -98,6 +98,14 @@ def test_decoding_opens_with_a_one_round_probe_of_the_full_block():
     assert int(choice) == 2 and bool(policy.probing)
     assert int(rounds) == adaptive.PROBE_PHASE == 1
     assert int(policy.narrow_phases) == 0
+    # Judged at the width its round supports: one draft accepted is 2 tokens for 0.5 at width 4, better than
+    # autoregressive rounds (0.8 for 2), though worse than them at the full block's cost (1.0): not failed.
+    opened = adaptive.observe(policy, jnp.asarray([1]), 8, jnp.asarray([True]))._replace(last_width=jnp.int32(8))
+    choice, rounds, after = adaptive.next_phase(opened, (1, 4, 8), 8)
+    assert (int(choice), int(rounds), int(after.probe_gap)) == (1, adaptive.DRAFT_PHASE, 1)
+    # Nothing accepted fails at every width: straight to autoregressive rounds.
+    opened = adaptive.observe(policy, jnp.asarray([0]), 8, jnp.asarray([True]))._replace(last_width=jnp.int32(8))
+    assert int(adaptive.next_phase(opened, (1, 4, 8), 8)[0]) == 0
     # A drafting phase after it (accepted: the rates choose, here with width 4 at 0.8 of the block's cost)
     # lasts DRAFT_PHASE rounds.
     policy = adaptive.observe(policy, jnp.asarray([7]), 8, jnp.asarray([True]))._replace(

@@ -131,9 +131,9 @@ def next_phase(policy: Policy, widths: tuple[int, ...], block: int) -> tuple[jax
     tokens per unit of time, for DRAFT_PHASE rounds. Autoregressive phases observe nothing, so what follows
     them is a schedule: an autoregressive phase lasts until the next probe is due (``probe_gap`` blocks of
     rounds since the last drafting round, at least one block), then comes a one-round probe at the best
-    drafting width. A probe whose round committed fewer tokens per unit of time than autoregressive rounds
-    (``(accepted + 1) / cost(width) < 1 / cost(1)``) goes straight back to autoregressive rounds and doubles the
-    gap (up to MAX_PROBE_GAP); one that beat them resets it to 1 and lets the expected rate choose, so a text
+    drafting width. A probe whose round would have committed fewer tokens per unit of time than autoregressive
+    rounds at every drafting width (``(min(accepted, w - 1) + 1) / cost(w) < 1 / cost(1)``) goes straight back
+    to autoregressive rounds and doubles the gap (up to MAX_PROBE_GAP); one that beat them resets it to 1 and lets the expected rate choose, so a text
     that turns predictable brings drafting back within a few blocks and a hopeless one costs a probe every
     MAX_PROBE_GAP blocks. ``forced`` >= 0 overrides everything (calibration)."""
     rate = expected_tokens(policy.stats, widths) / policy.costs
@@ -147,8 +147,12 @@ def next_phase(policy: Policy, widths: tuple[int, ...], block: int) -> tuple[jax
         narrow_phases = jnp.where(narrow & ~deep, policy.narrow_phases + 1, 0)
         return (jnp.where(policy.forced >= 0, policy.forced, choice), jnp.where(deep, PROBE_PHASE, after_drafting),
                 policy._replace(narrow_phases=narrow_phases))
-    probe_cost = jnp.sum(jnp.where(jnp.asarray(widths) == policy.last_width, policy.costs, 0.0))
-    failed = policy.probing & ((policy.accepted + 1.0) * policy.costs[0] < probe_cost)
+    # A probe fails when no drafting width would have beaten autoregressive rounds on its round: width w
+    # commits min(accepted, w - 1) + 1 tokens (a lower bound for widths above the probe's), so a full-block
+    # probe that accepted a little is judged at the narrow width that round supports, not at its own cost.
+    drafting = jnp.asarray(widths[1:], jnp.float32)
+    committed = jnp.minimum(policy.accepted, drafting - 1.0) + 1.0
+    failed = policy.probing & jnp.all(committed * policy.costs[0] < policy.costs[1:])
     gap = jnp.where(policy.probing, jnp.where(failed, jnp.clip(2 * policy.probe_gap, 1, MAX_PROBE_GAP), 1),
                     policy.probe_gap)
     after_ar = policy.last_width == 1
