@@ -301,6 +301,10 @@ def test_tokenize_examples_padding_truncation_and_dropped_rows(char_tokenizer):
     assert all((batch[k][i] == data[i][k]).all() for k in batch for i in range(2))
     with pytest.raises(IndexError):
         data[2]
+    with pytest.raises(IndexError):
+        data.padded_rows(-1)
+    with pytest.raises(DataError, match="between 1 and their width 9"):
+        TokenizedData.from_padded(batch["tokens"], batch["loss_mask"], np.asarray([10, 3]))
     # A chunked (batched) tokenisation gives the same rows as encoding one example at a time.
     again = tokenize_examples(char_tokenizer, examples, max_length=9, chunk_size=1)
     assert again.fingerprint() == data.fingerprint()
@@ -332,8 +336,11 @@ def test_tokenized_data_save_load_and_fingerprint(char_tokenizer, tmp_path):
     torn = tmp_path / "torn.npz"  # a row past the end of the ids
     np.savez(torn, ids=data.ids, mask=data.mask, offsets=data.offsets + np.arange(len(data.offsets)),
              max_length=np.int64(16), num_truncated=np.int64(0), num_without_targets=np.int64(0))
+    vector = tmp_path / "vector.npz"  # a count that is not a scalar
+    np.savez(vector, ids=data.ids, mask=data.mask, offsets=data.offsets, max_length=np.int64([16, 16]),
+             num_truncated=np.int64(0), num_without_targets=np.int64(0))
     for bad, message in ((truncated, "cannot read"), (foreign, "missing ids"), (tmp_path / "no.npz", "not found"),
-                         (torn, "offsets must start at 0 and end at the")):
+                         (torn, "offsets must start at 0 and end at the"), (vector, "integer scalars")):
         with pytest.raises(DataError, match=message) as err:
             TokenizedData.load(bad)
         assert str(bad) in str(err.value)

@@ -98,7 +98,7 @@ def test_sharded_and_accumulated_steps_equal_one_device():
     """8 fake CPU devices (data=2, fsdp=2, tensor=2; fsdp=8) and 4 accumulation micro-steps against 1 device;
     on the 8-device meshes no collective outside the frozen target moves activations of the whole batch (on
     an fsdp mesh XLA otherwise lays the draft's activations out like the fsdp-split weights, computes every
-    row on every device and all-reduces the chunk logits: 38 such collectives on fsdp=8 without the
+    row on every device and all-reduces the chunk logits: 61 such collectives on fsdp=8 without the
     constraints)."""
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
     proc = subprocess.run([sys.executable, str(TESTS / "sharded_step_check.py")], capture_output=True, text=True,

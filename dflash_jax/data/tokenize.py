@@ -263,7 +263,11 @@ class TokenizedData:
         if tokens.ndim != 2 or loss_mask.shape != tokens.shape or np.shape(lengths) != tokens.shape[:1]:
             raise DataError(f"padded rows need tokens and loss_mask [N, L] and lengths [N], got {tokens.shape}, "
                             f"{loss_mask.shape} and {np.shape(lengths)}")
-        keep = np.arange(tokens.shape[1])[None] < np.asarray(lengths)[:, None]
+        lengths = np.asarray(lengths)
+        if lengths.size and (lengths.min() < 1 or lengths.max() > tokens.shape[1]):
+            raise DataError(f"padded rows need lengths between 1 and their width {tokens.shape[1]}, got "
+                            f"{lengths.min()} .. {lengths.max()}")
+        keep = np.arange(tokens.shape[1])[None] < lengths[:, None]
         offsets = np.concatenate([[0], np.cumsum(keep.sum(axis=1))]).astype(np.int64)
         return cls(tokens[keep].astype(np.int32), loss_mask[keep].astype(bool), offsets, tokens.shape[1])
 
@@ -279,6 +283,8 @@ class TokenizedData:
         """Rows ``start:stop`` as a batch of the trainer: ``tokens`` and ``loss_mask`` ``[n, max_length]``
         right-padded with 0, ``lengths [n]``."""
         stop = len(self) if stop is None else stop
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"rows {start}:{stop} of {len(self)}")
         offsets = self.offsets[start: stop + 1]
         lengths = np.diff(offsets)
         n = len(lengths)
@@ -332,13 +338,17 @@ class TokenizedData:
                 if missing:
                     raise DataError(f"{path}: not a tokenized data file (missing {', '.join(missing)})")
                 arrays = {k: z[k] for k in z.files}
+                counts = {k: arrays[k] for k in ("max_length", "num_truncated", "num_without_targets")}
+                if any(a.shape != () or not np.issubdtype(a.dtype, np.integer) for a in counts.values()):
+                    raise DataError(f"{path}: max_length, num_truncated and num_without_targets must be integer "
+                                    "scalars")
         except DataError:
             raise
         except Exception as e:  # zipfile, numpy and OS errors for a truncated or foreign file
             raise DataError(f"{path}: cannot read tokenized data ({type(e).__name__}: {e})") from None
         try:
-            return cls(arrays["ids"], arrays["mask"], arrays["offsets"], arrays["max_length"].item(),
-                       int(arrays["num_truncated"]), int(arrays["num_without_targets"]))
+            return cls(arrays["ids"], arrays["mask"], arrays["offsets"], int(counts["max_length"]),
+                       int(counts["num_truncated"]), int(counts["num_without_targets"]))
         except DataError as e:
             raise DataError(f"{path}: {e}") from None
 

@@ -71,8 +71,10 @@ def _padded_eligible(loss_mask: jax.Array, lengths, num_anchors: int) -> jax.Arr
 def _top_scores(scores: jax.Array, num_anchors: int) -> tuple[jax.Array, jax.Array]:
     """The positions of the ``num_anchors`` highest scores of each row (score -1: never valid), ascending with
     the valid ones first."""
-    top, idx = jax.lax.top_k(scores, num_anchors)
-    valid = top >= 0.0
+    # A sort rather than lax.top_k: XLA partitions a sort along its other dimensions, so under a mesh each
+    # device keeps to its own rows (top_k was gathered onto every device).
+    idx = jnp.argsort(-scores, axis=1, stable=True)[:, :num_anchors]
+    valid = jnp.take_along_axis(scores, idx, axis=1) >= 0.0
     # Sort: valid anchors ascending first, then the invalid ones (reset to position 0).
     order = jnp.argsort(jnp.where(valid, idx, scores.shape[1] + idx), axis=1)
     idx = jnp.take_along_axis(idx, order, axis=1)
