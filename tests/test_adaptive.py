@@ -123,22 +123,29 @@ def test_forced_width_overrides_the_choice():
     assert int(choice) == 0 and int(rounds) == adaptive.MAX_PROBE_GAP * 8
 
 
-def test_narrow_phases_are_interrupted_by_one_round_of_the_full_block():
-    """A narrow width never observes the draft positions past it: every DEEP_PROBE_EVERY drafting phases in a
-    row below the full block, one round verifies the whole block, then the rates choose again."""
-    widths, block = (1, 4, 8), 8
-    # Positions 1-3 always accepted, 4 never (so width 4 is best by far), costs making width 4 attractive.
-    stats = jnp.asarray([[30.0] * 4 + [0.0] * 3, [30.0] * 3 + [0.0] * 4])
-    policy = adaptive.initial_policy(block, 3)._replace(stats=stats, costs=jnp.asarray([0.3, 0.5, 1.0]),
-                                                        last_width=jnp.int32(4), ar_blocks=jnp.int32(0),
-                                                        narrow_phases=jnp.int32(0))
+# Draft positions 1-3 always accepted, 4 never: with widths 4 at half the block's cost, width 4 is best by far.
+WIDTH_4_STATS = jnp.asarray([[30.0] * 4 + [0.0] * 3, [30.0] * 3 + [0.0] * 4])
+
+
+def assert_width_4_with_deep_probes(policy: adaptive.Policy, widths: tuple[int, ...], block: int) -> None:
+    """From ``policy`` (stats WIDTH_4_STATS): phases of width 4, and after every DEEP_PROBE_EVERY of them one
+    round of the full block."""
     taken = []
     for _ in range(2 * adaptive.DEEP_PROBE_EVERY + 2):
         choice, rounds, policy = adaptive.next_phase(policy, widths, block)
         taken.append((widths[int(choice)], int(rounds)))
         policy = policy._replace(last_width=jnp.int32(widths[int(choice)]))
     narrow = [(4, adaptive.DRAFT_PHASE)] * adaptive.DEEP_PROBE_EVERY
-    assert taken == narrow + [(8, 1)] + narrow + [(8, 1)], taken
+    assert taken == narrow + [(block, 1)] + narrow + [(block, 1)], taken
+
+
+def test_narrow_phases_are_interrupted_by_one_round_of_the_full_block():
+    """A narrow width never observes the draft positions past it: every DEEP_PROBE_EVERY drafting phases in a
+    row below the full block, one round verifies the whole block, then the rates choose again."""
+    policy = adaptive.initial_policy(8, 3)._replace(stats=WIDTH_4_STATS, costs=jnp.asarray([0.3, 0.5, 1.0]),
+                                                    last_width=jnp.int32(4), ar_blocks=jnp.int32(0),
+                                                    narrow_phases=jnp.int32(0))
+    assert_width_4_with_deep_probes(policy, (1, 4, 8), 8)
 
 
 def test_drafting_widths_only_open_with_the_full_block_and_probe_it_after_narrow_phases():
@@ -148,13 +155,4 @@ def test_drafting_widths_only_open_with_the_full_block_and_probe_it_after_narrow
     policy = adaptive.initial_policy(block, 3)._replace(costs=jnp.asarray([0.3, 0.5, 1.0]))
     choice, rounds, policy = adaptive.next_phase(policy, widths, block)
     assert (widths[int(choice)], int(rounds)) == (8, adaptive.PROBE_PHASE)
-    # Positions 1-3 always accepted, 4 never: width 4 is best by far.
-    stats = jnp.asarray([[30.0] * 4 + [0.0] * 3, [30.0] * 3 + [0.0] * 4])
-    policy = policy._replace(stats=stats, last_width=jnp.int32(8))
-    taken = []
-    for _ in range(2 * adaptive.DEEP_PROBE_EVERY + 2):
-        choice, rounds, policy = adaptive.next_phase(policy, widths, block)
-        taken.append((widths[int(choice)], int(rounds)))
-        policy = policy._replace(last_width=jnp.int32(widths[int(choice)]))
-    narrow = [(4, adaptive.DRAFT_PHASE)] * adaptive.DEEP_PROBE_EVERY
-    assert taken == narrow + [(8, 1)] + narrow + [(8, 1)], taken
+    assert_width_4_with_deep_probes(policy._replace(stats=WIDTH_4_STATS, last_width=jnp.int32(8)), widths, block)
