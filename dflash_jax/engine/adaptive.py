@@ -133,9 +133,10 @@ def next_phase(policy: Policy, widths: tuple[int, ...], block: int) -> tuple[jax
     rounds since the last drafting round, at least one block), then comes a one-round probe at the best
     drafting width. A probe whose round would have committed fewer tokens per unit of time than autoregressive
     rounds at every drafting width (``(min(accepted, w - 1) + 1) / cost(w) < 1 / cost(1)``) goes straight back
-    to autoregressive rounds and doubles the gap (up to MAX_PROBE_GAP); one that beat them resets it to 1 and lets the expected rate choose, so a text
-    that turns predictable brings drafting back within a few blocks and a hopeless one costs a probe every
-    MAX_PROBE_GAP blocks. ``forced`` >= 0 overrides everything (calibration)."""
+    to autoregressive rounds and doubles the gap (up to MAX_PROBE_GAP); one that beat them resets it to 1 and
+    lets the expected rate choose, so a text that turns predictable brings drafting back within a few blocks
+    and a hopeless one costs a probe every MAX_PROBE_GAP blocks. ``forced`` >= 0 overrides everything
+    (calibration)."""
     rate = expected_tokens(policy.stats, widths) / policy.costs
     # Stay with the current width unless another is clearly better: the estimate is noisy, and a wrong switch
     # to autoregressive rounds costs a whole block of them.
