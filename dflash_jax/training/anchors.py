@@ -63,7 +63,7 @@ def sample_row_anchors(row_keys: jax.Array, loss_mask: jax.Array, lengths, num_a
 def _padded_eligible(loss_mask: jax.Array, lengths, num_anchors: int) -> jax.Array:
     elig = eligible_anchors(loss_mask, lengths)
     length = elig.shape[1]
-    if num_anchors > length:  # top_k needs k <= size: pad with never-eligible positions
+    if num_anchors > length:  # every row must have num_anchors candidates: pad with never-eligible positions
         elig = jnp.pad(elig, ((0, 0), (0, num_anchors - length)))
     return elig
 
