@@ -10,3 +10,8 @@ catch ``ValueError`` keep working.
 
 class UserError(ValueError):
     """A failure caused by the user's input; the message says which input and how to fix it."""
+
+
+class ServingWarning(UserWarning):
+    """Something that runs here but will not run the same elsewhere (e.g. a draft SGLang/vLLM cannot serve).
+    The command-line tools print it as one ``warning: ...`` line."""

@@ -9,10 +9,14 @@ old output or the new one, never a mixture, and the next run cleans up what a ki
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import json
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -96,8 +100,16 @@ def _leftovers(dst: Path, tag: str) -> list[tuple[Path, int]]:
 
 
 def recover_directory(dst: str | Path) -> None:
-    """Clean up after killed replacements of ``dst``: partial new outputs are deleted; an old output that was
-    moved aside but never replaced (killed between the two renames) is put back."""
+    """Clean up after killed replacements of ``dst`` (by processes no longer alive), whichever path
+    ``replace_directory`` took. The rules, and the kill instants they cover:
+
+    * a ``.partial-`` folder is always deleted, never put in place: killed while writing it, it is incomplete;
+      killed before the swap, ``dst`` still holds the old output; killed right after an exchange, it holds
+      the OLD output (or, in ``infer convert``, contains it) and ``dst`` already holds the new one;
+    * a ``.replaced-`` folder is put back only when ``dst`` is missing, which happens only to the two-rename
+      fallback killed between its renames (then it is the complete old output); otherwise ``dst`` holds the
+      new output and the old one, perhaps half deleted, is deleted.
+    """
     dst = Path(dst)
     if not dst.parent.is_dir():
         return
@@ -110,7 +122,7 @@ def recover_directory(dst: str | Path) -> None:
         if not dst.exists() and not dst.is_symlink():
             os.replace(path, dst)
         else:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path)
 
 
 def new_directory(dst: str | Path) -> Path:
@@ -138,24 +150,83 @@ def _sigint_deferred() -> Iterator[None]:
             raise KeyboardInterrupt
 
 
-def replace_directory(tmp: str | Path, dst: str | Path) -> None:
-    """Put the complete directory ``tmp`` in place of ``dst``: the old ``dst`` is renamed aside, ``tmp`` renamed
-    in, and only then the old one deleted. A kill between the renames is repaired by ``recover_directory``."""
-    tmp, dst = Path(tmp), Path(dst).absolute()
+_AT_FDCWD = -100  # Linux: paths relative to the working directory
+_RENAME_EXCHANGE = 2  # linux/fs.h
+# renameat2 failures that mean "no exchange here", not "this rename is impossible": no syscall (kernel < 3.15,
+# ENOSYS), a file system without the flag (EINVAL / EOPNOTSUPP), a seccomp filter that denies the syscall
+# (EPERM in older container runtimes). The fallback then either succeeds or raises the real error itself.
+_NO_EXCHANGE = frozenset({errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM})
+
+
+@functools.cache
+def _load_renameat2() -> Any:
+    """libc's ``renameat2`` (glibc >= 2.28), or None where there is none (non-Linux, older or other libcs)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` in one atomic step: True when done, False where this system or file
+    system cannot (the caller falls back); any other failure raises with nothing changed."""
+    fn = _load_renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def replace_directory(tmp: str | Path, dst: str | Path) -> str:
+    """Put the complete directory ``tmp`` in place of ``dst``, deleting the old ``dst`` only afterwards; returns
+    the path taken: ``"created"`` (no old ``dst``), ``"exchanged"`` or ``"renamed"``.
+
+    On Linux the two are swapped by one ``renameat2(RENAME_EXCHANGE)``, so the name ``dst`` holds the old or
+    the new output at every instant, even under ``kill -9``. Where that call is missing or refused (non-Linux,
+    glibc < 2.28, a file system without it) the old ``dst`` is renamed aside and ``tmp`` renamed in: a kill
+    between those two renames leaves ``dst`` missing until ``recover_directory`` puts the old one back.
+
+    ``tmp`` must come from ``new_directory(dst)`` or lie inside such a folder: right after an exchange the old
+    output sits under ``tmp``'s name, and only that name tells ``recover_directory`` to delete it."""
+    tmp, dst = Path(tmp).absolute(), Path(dst).absolute()
     with _sigint_deferred():
-        aside = None
-        if dst.exists() or dst.is_symlink():
-            aside = dst.parent / f".{dst.name}{_OLD_TAG}{os.getpid()}-{int(time.time() * 1000)}"
-            os.replace(dst, aside)
-        try:
+        if not dst.exists() and not dst.is_symlink():  # nothing to exchange with
             os.replace(tmp, dst)
-        except OSError:
-            if aside is not None:  # the new output could not go in: the old one goes back
-                os.replace(aside, dst)
-            raise
-        _fsync_dir(dst.parent)
-    if aside is not None:
-        if aside.is_dir() and not aside.is_symlink():
-            shutil.rmtree(aside, ignore_errors=True)
+            _fsync_dir(dst.parent)
+            return "created"
+        aside = dst.parent / f".{dst.name}{_OLD_TAG}{os.getpid()}-{int(time.time() * 1000)}"
+        if _exchange(tmp, dst):
+            how = "exchanged"
+            # tmp's name now holds the old output. Renamed to the "on its way out" name before the slow delete,
+            # so that a kill during the delete leaves a recognisable leftover whatever tmp was called.
+            try:
+                os.replace(tmp, aside)
+            except OSError:  # the replacement itself is done: delete the old output where it is
+                aside = tmp
         else:
-            aside.unlink(missing_ok=True)
+            how = "renamed"
+            os.replace(dst, aside)
+            try:
+                os.replace(tmp, dst)
+            except OSError:  # the new output could not go in: the old one goes back
+                os.replace(aside, dst)
+                raise
+        _fsync_dir(dst.parent)
+    _remove(aside)
+    return how

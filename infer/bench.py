@@ -110,6 +110,7 @@ def bench_main(args: argparse.Namespace) -> int:
     out_dir = ensure_writable_dir(args.out, "--out")  # before any model is loaded
     journal = Journal(out_dir, {
         "target": args.target, "draft": args.ckpt, "tokenizer": args.tokenizer, "dtype": args.dtype,
+        "revision": args.revision, "ckpt_revision": args.ckpt_revision,
         "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature,
         "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": args.seed, "chat_template": args.chat_template,
         "adaptive": list(args.adaptive), "mesh": args.mesh, "replay": args.replay})
@@ -126,6 +127,7 @@ def bench_main(args: argparse.Namespace) -> int:
                         use_chat_template=args.chat_template, progress=True, journal=journal, replay=args.replay)
     journal.close()
     meta = {"target": str(args.target), "draft": str(args.ckpt), "tokenizer": args.tokenizer,
+            "revision": args.revision, "ckpt_revision": args.ckpt_revision,
             "dtype": args.dtype, "prompts_dir": str(prompts_dir), "datasets": names,
             "max_samples": args.max_samples, "block_size": decoder.block_size,
             "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from typing import Callable
 
-from dflash_jax.errors import UserError
+from dflash_jax.errors import ServingWarning, UserError
 
 USER_ERRORS = (UserError, OSError)
 
@@ -49,9 +50,21 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    if issubclass(category, ServingWarning):
+        print(f"warning: {message}", file=sys.stderr if file is None else file)
+    else:
+        _default_showwarning(message, category, filename, lineno, file, line)
+
+
+_default_showwarning = warnings.showwarning
+
+
 def run_cli(parser: argparse.ArgumentParser, action: Callable[[argparse.Namespace], int | None],
             argv: list[str] | None) -> int:
-    """Parse ``argv`` and run ``action``; user errors become exit code 2 with one clear line."""
+    """Parse ``argv`` and run ``action``; user errors become exit code 2 with one clear line, the project's
+    warnings one ``warning: ...`` line."""
+    warnings.showwarning = _show_warning
     try:
         args = parser.parse_args(argv)
     except UsageError as e:

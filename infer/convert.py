@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_jax.checkpoints import orbax_io
+from dflash_jax.checkpoints.hub import resolve_checkpoint
 from dflash_jax.checkpoints.loading import EXTRA_DIR, EXTRA_FILES, restore_orbax
 from dflash_jax.checkpoints.safetensors_io import CheckpointError
 from dflash_jax.errors import UserError
@@ -52,6 +53,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             f"  {prog} --from ckpt/Qwen3-8B-DFlash-b16 --to orbax/qwen3-8b-draft\n"
             f"  {prog} --from orbax/my-draft --to export/my-draft --dtype bfloat16\n"
             f"  {prog} --from hf/Qwen3-8B --to orbax/qwen3-8b --kind target\n"
+            f"  {prog} --from z-lab/Qwen3-8B-DFlash-b16 --to orbax/qwen3-8b-draft   (a Hub id)\n"
             "Exit codes: 0 success, 2 bad arguments or unusable checkpoint (one 'error: ...' line on stderr)."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -60,7 +62,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--from", dest="src", required=True, metavar="PATH",
         help="input directory: an Orbax checkpoint written by this project, an official DFlash draft "
              "directory, or a Hugging Face target directory (config.json + model.safetensors or a sharded "
-             "model.safetensors.index.json). Pickle weights (.bin/.pt) are refused.",
+             "model.safetensors.index.json); or a Hugging Face Hub id such as z-lab/Qwen3-8B-DFlash-b16 "
+             "(fetched into the Hugging Face cache, or read from it with HF_HUB_OFFLINE=1; a local path of "
+             "the same name wins). Pickle weights (.bin/.pt) are refused.",
+    )
+    parser.add_argument(
+        "--revision", metavar="REV",
+        help="with a Hub id as --from: its branch, tag or commit (default: main).",
     )
     parser.add_argument(
         "--to", dest="dst", required=True, metavar="PATH",
@@ -227,7 +235,7 @@ def from_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Names
 def convert(args: argparse.Namespace) -> str:
     """Write the converted checkpoint into a temporary folder next to ``--to`` and swap it in only when
     complete (``dflash_jax.fileio``): an interrupt leaves the old output or the new one, never neither."""
-    src, dst = Path(args.src), Path(args.dst)
+    src, dst = resolve_checkpoint(args.src, args.revision, "--from"), Path(args.dst)
     fmt, kind = detect(src, args.kind)
     recover_directory(dst)  # what a killed earlier run left next to --to
     check_output(src, dst, args.force)

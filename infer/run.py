@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 
+from dflash_jax.checkpoints.hub import resolve_checkpoint
 from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer, tokenizer_dir
 from dflash_jax.engine.decoder import Decoder, decode_continuation, encode_conversation, stop_tokens_of
 from dflash_jax.engine.generate import GenerationResult
@@ -27,16 +28,23 @@ PROG = "python -m infer"
 
 def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, demo_default: bool = False) -> None:
     parser.add_argument("--target", required=not demo_default, metavar="DIR",
-                        help="the target model: a Hugging Face directory (config.json + safetensors + tokenizer) "
-                             "or an Orbax checkpoint written by 'python -m infer convert'"
+                        help="the target model: a Hugging Face directory (config.json + safetensors + tokenizer), "
+                             "an Orbax checkpoint written by 'python -m infer convert', or a Hugging Face Hub id "
+                             "such as Qwen/Qwen3-8B (fetched into the Hugging Face cache: configs, tokenizer and "
+                             "safetensors only; HF_HUB_OFFLINE=1 reads the cache alone; a local path of the same "
+                             "name wins)"
                              + ("; without --target and --ckpt: the shipped demo pair (stories260K and its "
                                 "trained draft)" if demo_default else ""))
     parser.add_argument("--ckpt", required=need_draft, metavar="DIR",
-                        help="the DFlash draft: an official draft directory (config.json + model.safetensors) or "
-                             "an Orbax checkpoint" + ("" if need_draft else
-                                                      "; may be left out together with --baseline (baseline only)"))
+                        help="the DFlash draft: an official draft directory (config.json + model.safetensors), "
+                             "an Orbax checkpoint or a Hub id such as z-lab/Qwen3-8B-DFlash-b16"
+                             + ("" if need_draft else "; may be left out together with --baseline (baseline only)"))
+    parser.add_argument("--revision", metavar="REV",
+                        help="with a Hub id as --target: its branch, tag or commit (default: main)")
+    parser.add_argument("--ckpt-revision", metavar="REV",
+                        help="with a Hub id as --ckpt: its branch, tag or commit (default: main)")
     parser.add_argument("--tokenizer", metavar="DIR",
-                        help="tokenizer directory (default: the target's own tokenizer files)")
+                        help="tokenizer directory or Hub id (default: the target's own tokenizer files)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="compute and parameter dtype (default float32; use bfloat16 on GPU/TPU)")
     parser.add_argument("--block-size", type=int, metavar="B",
@@ -114,13 +122,18 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
         from dflash_jax.sharding import make_mesh
 
         mesh = make_mesh(args.mesh)
-    target_path = Path(args.target)
+    ckpt_revision = getattr(args, "ckpt_revision", None)  # namespaces built by hand (the demo) lack the flags
+    if ckpt_revision is not None and not args.ckpt:
+        raise UsageError("--ckpt-revision needs a --ckpt")
+    # Hub ids become their cached snapshot directories once, here; the draft first, so that a mistyped draft id
+    # fails before the target's download.
+    ckpt = resolve_checkpoint(args.ckpt, ckpt_revision, "--ckpt") if args.ckpt else None
+    target_path = resolve_checkpoint(args.target, getattr(args, "revision", None), "--target")
     target_config, target_params = load_target_any(target_path, dtype=args.dtype, progress=True, mesh=mesh)
-    tok_dir = Path(args.tokenizer) if args.tokenizer else tokenizer_dir(target_path)
-    tokenizer = load_tokenizer(tok_dir)
+    tokenizer = load_tokenizer(args.tokenizer or tokenizer_dir(target_path))
     draft_config = draft_params = None
-    if args.ckpt:
-        draft_config, draft_params = load_draft_any(args.ckpt, dtype=args.dtype, progress=True)
+    if ckpt:
+        draft_config, draft_params = load_draft_any(ckpt, dtype=args.dtype, progress=True)
         draft_config.validate_against(target_config, source=str(args.ckpt))
     elif need_draft:
         raise UsageError("--ckpt (the draft) is required")

@@ -66,9 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"random-weight models built from shapes, one of: {', '.join(PRESETS)} (see below); "
                              "qwen3-8b/qwen3-4b are for accelerators in bfloat16")
     models.add_argument("--target", metavar="DIR",
-                        help="a real target: a Hugging Face directory or an Orbax checkpoint (needs --ckpt)")
+                        help="a real target: a Hugging Face directory, an Orbax checkpoint or a Hugging Face Hub "
+                             "id such as Qwen/Qwen3-8B (the Hugging Face cache; a local path of the same name "
+                             "wins) (needs --ckpt)")
     parser.add_argument("--ckpt", metavar="DIR",
-                        help="the DFlash draft for --target: an official draft directory or an Orbax checkpoint")
+                        help="the DFlash draft for --target: an official draft directory, an Orbax checkpoint or "
+                             "a Hub id")
+    parser.add_argument("--revision", metavar="REV",
+                        help="with a Hub id as --target: its branch, tag or commit (default: main)")
+    parser.add_argument("--ckpt-revision", metavar="REV",
+                        help="with a Hub id as --ckpt: its branch, tag or commit (default: main)")
     parser.add_argument("--draft-layers", type=positive("--draft-layers"), metavar="N",
                         help="draft depth for the tiny/small presets (default: 1 for tiny, 2 for small)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -132,12 +139,15 @@ def load_models(args: argparse.Namespace):
             raise UsageError("--draft-layers applies to the tiny/small presets only")
         from dflash_jax.checkpoints.loading import load_draft_any, load_target_any
 
-        tc, tp = load_target_any(args.target, dtype=args.dtype, progress=True)
-        dc, dp = load_draft_any(args.ckpt, dtype=args.dtype, progress=True)
+        from dflash_jax.checkpoints.hub import resolve_checkpoint
+
+        ckpt = resolve_checkpoint(args.ckpt, args.ckpt_revision, "--ckpt")  # before the target's download
+        tc, tp = load_target_any(args.target, dtype=args.dtype, progress=True, revision=args.revision)
+        dc, dp = load_draft_any(ckpt, dtype=args.dtype, progress=True)
         dc.validate_against(tc, source=str(args.ckpt))
         return f"target {args.target}, draft {args.ckpt}", settings_of(args, dc.block_size), tc, tp, dc, dp
-    if args.ckpt:
-        raise UsageError("--ckpt goes with --target, not with --preset")
+    if args.ckpt or args.revision or args.ckpt_revision:
+        raise UsageError("--ckpt, --revision and --ckpt-revision go with --target, not with --preset")
     _, dc = preset_configs(args.preset, args.block_size, args.draft_layers)
     settings = settings_of(args, dc.block_size)
     tc, tp, dc, dp = preset_models(args.preset, args.block_size, settings.dtype, args.seed, args.draft_layers)

@@ -17,10 +17,11 @@ a full random draft state dict in the official checkpoint layout of SPEC section
 
 Conventions fixed here (where the SPEC leaves room)
 ---------------------------------------------------
-* Sliding window: for a layer with ``layer_types[i] == "sliding_attention"`` a query at absolute position ``p``
-  sees a key at absolute position ``k`` iff ``|p - k| < sliding_window``: two-sided, as the official code's
-  flash-attention path applies it (a window left and right of the query), which matters for block keys AFTER
-  the query when the window is smaller than the block (SPEC section 4). A missing / ``None``
+* Causality and windows, per layer (SPEC sections 2 and 4, the newest official code): a top-level
+  ``is_causal`` makes every layer causal (true) or bidirectional (false) inside the block; without it
+  ``sliding_attention`` layers are causal and ``full_attention`` layers bidirectional. A query at absolute
+  position ``p`` sees a key at absolute position ``k`` iff (not causal or ``k <= p``) and, on a sliding layer,
+  ``p - k < sliding_window`` and (causal or ``k - p < sliding_window``). A missing / ``None``
   ``sliding_window`` means no limit. A missing ``layer_types`` means every layer is ``full_attention``.
 * RoPE: ``inv_freq[i] = theta ** (-2i / head_dim)`` for ``i < head_dim / 2``; angles ``pos * inv_freq`` are
   duplicated to ``head_dim`` (``cat(freqs, freqs)``), ``x' = x * cos + rotate_half(x) * sin`` with
@@ -222,9 +223,8 @@ def draft_forward_reference(
       context_positions: optional ``[T_ctx]`` absolute positions of the context rows; default
         ``0 .. T_ctx-1`` (then ``T_ctx`` must equal ``start``). Every position must be ``< start``.
 
-    Sliding-window convention: in a ``sliding_attention`` layer a query at position ``p`` sees a key at position
-    ``k`` iff ``|p - k| < sliding_window`` (two-sided). Full-attention layers see every context key and
-    every block key (non-causal inside the block).
+    Visibility per layer as in the module docstring (causal or bidirectional inside the block, windows on
+    sliding layers). A shorter ``block_tokens`` is a shorter block (the official code's last rounds).
 
     Callers drop position 0 (the anchor); block position i >= 1 predicts the token at ``start + i``.
     """
@@ -279,6 +279,8 @@ def draft_forward_reference(
     for li in range(num_layers):
         p = f"layers.{li}."
         sliding = _layer_type(config, li) == "sliding_attention" and window is not None
+        causal = bool(config["is_causal"]) if config.get("is_causal") is not None else (
+            _layer_type(config, li) == "sliding_attention")
 
         h = _rms_norm(x, weights[p + "input_layernorm.weight"], eps)
 
@@ -308,7 +310,10 @@ def draft_forward_reference(
                 scores = []
                 vis_vals = []
                 for j in range(n_keys):
-                    if sliding and not abs(qp - key_pos[j]) < window:
+                    kp = key_pos[j]
+                    if causal and kp > qp:
+                        continue
+                    if sliding and not (qp - kp < window and (causal or kp - qp < window)):
                         continue
                     scores.append(float(np.dot(q[i, hq], keys[j, hk])) * scale)
                     vis_vals.append(values[j, hk])
@@ -520,6 +525,14 @@ def _self_check() -> None:
     r2 = draft_forward_reference(w, cfg, embed, head, ctx, block2, 9)
     assert not np.allclose(r1[0], r2[0])
 
+    # 5b. is_causal: true makes the anchor independent of later block tokens; a causal layer's query i
+    #     equals the same forward on the block cut after i (later keys are invisible).
+    cfg_c = _tiny_config(is_causal=True)
+    c1 = draft_forward_reference(w, cfg_c, embed, head, ctx, block, 9)
+    assert np.allclose(c1[:-1], draft_forward_reference(w, cfg_c, embed, head, ctx, block2, 9)[:-1], atol=0)
+    assert np.allclose(c1[:3], draft_forward_reference(w, cfg_c, embed, head, ctx, block[:3], 9), atol=1e-12)
+    assert not np.allclose(c1, r1)
+
     # 6. Cross-check the loop attention against a vectorised one-layer recomputation (layer 0, query outputs).
     cfg1 = _tiny_config(num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=5)
     w1 = {k: v for k, v in w.items() if not k.startswith("layers.1.")}
@@ -544,7 +557,8 @@ def _self_check() -> None:
     v = (src @ f("layers.0.self_attn.v_proj.weight").T).reshape(-1, 2, 16)
     k, v = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
     s = np.einsum("qhd,khd->hqk", q, k) / 4.0
-    s = np.where((qp[:, None] - kp[None, :] < 5)[None], s, -np.inf)
+    diff = qp[:, None] - kp[None, :]
+    s = np.where(((diff >= 0) & (diff < 5))[None], s, -np.inf)  # a sliding layer: causal by default
     pr = np.exp(s - s.max(-1, keepdims=True))
     pr /= pr.sum(-1, keepdims=True)
     o = np.einsum("hqk,khd->qhd", pr, v).reshape(B, 64)

@@ -46,8 +46,9 @@ def input_injection_reference(weights, config, embed, head, context_features, bl
     for li in range(config["num_hidden_layers"]):
         p = f"layers.{li}."
         vis = visible.copy()
-        if li in sliding_layers:
-            vis &= np.abs(pos[:, None] - pos[None, :]) < window
+        if li in sliding_layers:  # sliding layers are causal (no is_causal in the config): the block too
+            diff = pos[:, None] - pos[None, :]
+            vis &= (diff >= 0) & (diff < window)
         h = _rms_norm(x, weights[p + "input_layernorm.weight"], eps)
         q = _rms_norm(_linear(h, weights, p + "self_attn.q_proj").reshape(n, heads, d), weights[p + "self_attn.q_norm.weight"], eps)
         k = _rms_norm(_linear(h, weights, p + "self_attn.k_proj").reshape(n, kv, d), weights[p + "self_attn.k_norm.weight"], eps)

@@ -66,9 +66,21 @@ def recompute_acceptance(drafts: np.ndarray, tokens: list[int]) -> list[int]:
         a = 0
         while a < len(proposal) and offset + a < len(tokens) and proposal[a] == tokens[offset + a]:
             a += 1
-        lengths.append(a + 1)
+        lengths.append(min(a + 1, len(tokens) - offset))  # a round commits at most what is left
         offset += a + 1
     return lengths
+
+
+def planted(schedule: list[int], max_new: int) -> list[int]:
+    """The acceptance lengths a planted schedule gives: rounds commit their length until max_new_tokens cuts
+    the last one (the first token came from the prefill)."""
+    out, left = [], max_new - 1
+    for length in schedule:
+        if left <= 0:
+            break
+        out.append(min(length, left))
+        left -= out[-1]
+    return out
 
 
 def oracle_run(setup, schedules, stop_tokens=(), max_new=MAX_NEW, adaptive=(), costs=()):
@@ -104,8 +116,8 @@ def test_oracle_every_acceptance_length_is_lossless(setup):
     assert out.tokens == ar.tokens
     for b, sched in enumerate(SCHEDULES):
         # The planted schedule is followed until max_new_tokens cuts the last round.
-        n = len(sched)
-        assert out.accept_lengths[b][:n] == sched[: len(out.accept_lengths[b][:n])]
+        want = planted(sched, MAX_NEW)
+        assert out.accept_lengths[b][:len(want)] == want
     assert set(range(1, BLOCK + 1)) <= {a for row in out.accept_lengths for a in row}
     for b in range(len(SCHEDULES)):
         assert out.accept_lengths[b] == recompute_acceptance(out.drafts[b], out.tokens[b])
@@ -234,7 +246,7 @@ def test_max_new_tokens_cuts_inside_a_block(setup):
     out = oracle_run(setup, SCHEDULES, max_new=13)
     assert [len(t) for t in out.tokens] == [13, 13, 13]
     assert out.tokens == [t[:13] for t in ar.tokens]
-    assert out.accept_lengths[0] == [1, 2, 3, 4, 5]
+    assert out.accept_lengths[0] == [1, 2, 3, 4, 2]  # the cut round counts the tokens it committed
 
 
 def test_stop_token_inside_an_accepted_block(setup):
@@ -252,7 +264,8 @@ def test_stop_token_inside_an_accepted_block(setup):
     ar_stop = generate(tc, tp, prompts, NoProposer(), NoProposer().init(), ref)
     assert out.tokens == ar_stop.tokens
     assert out.tokens[1] == gen[: cut + 1]
-    assert out.accept_lengths[1] == [8]
+    assert out.accept_lengths[1] == [cut]  # round 1 accepted 8 and committed up to the stop token (output 0
+    # came from the prefill)
     for b, row in enumerate(ar.tokens):
         expected = row[: row.index(stop) + 1] if stop in row else row
         assert out.tokens[b] == expected

@@ -135,12 +135,20 @@ def build(tmp_path, name, **overrides):
     return cfg, weights, config, params, DraftModel(config), shared, embed, head
 
 
-@pytest.fixture(scope="module", params=["full", "sliding"])
+# Per-layer causality (SPEC 2/4): without is_causal the sliding layer is causal and the full one bidirectional;
+# is_causal false is the older two-sided window; is_causal true makes the full layers causal too.
+LAYOUTS = {
+    "full": {},
+    "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),  # window 5 < B = 8
+    "sliding_bidirectional": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5,
+                                  is_causal=False),
+    "causal": dict(is_causal=True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def bundle(request, tmp_path_factory):
-    extra = {}
-    if request.param == "sliding":  # window 5 < B = 8: also limits attention inside the block
-        extra = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5)
-    return build(tmp_path_factory.mktemp("train"), request.param, **extra)
+    return build(tmp_path_factory.mktemp("train"), request.param, **LAYOUTS[request.param])
 
 
 # Row 0 covers a = 0 (empty context) and a block running past the end; row 1 (length 17) has invalid anchors.

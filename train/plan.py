@@ -62,13 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _target_config_of(path: str):
-    from pathlib import Path
-
+def _target_config_of(path: str, revision: str | None = None):
     from dflash_jax.checkpoints import orbax_io
+    from dflash_jax.checkpoints.hub import CONFIG_FILES, resolve_checkpoint
     from dflash_jax.models.config import ConfigError, TargetConfig
 
-    p = Path(path)
+    p = resolve_checkpoint(path, revision, "target.path", CONFIG_FILES)  # of a Hub id: its config.json alone
     if orbax_io.is_orbax_dir(p):
         meta = orbax_io.read_meta(p)
         if meta["kind"] != "target":
@@ -82,9 +81,8 @@ def _target_config_of(path: str):
 
 def _draft_config_of(cfg: dict, target):
     """The draft 'fit' would train, from configs only (``draft.init``'s weights are not read)."""
-    from pathlib import Path
-
     from dflash_jax.checkpoints import orbax_io
+    from dflash_jax.checkpoints.hub import CONFIG_FILES, resolve_checkpoint
     from dflash_jax.models.config import ConfigError
     from dflash_jax.models.draft_config import DraftConfig
     from dflash_jax.training.trainer import build_draft_config
@@ -92,7 +90,7 @@ def _draft_config_of(cfg: dict, target):
     init = cfg["draft"]["init"]
     if not init:
         return build_draft_config(cfg, target)[0]
-    p = Path(init)
+    p = resolve_checkpoint(init, cfg["draft"]["init_revision"], "draft.init", CONFIG_FILES)
     if orbax_io.is_orbax_dir(p):
         meta = orbax_io.read_meta(p)
         if meta["kind"] != "draft":
@@ -130,7 +128,7 @@ def _settings(args: argparse.Namespace) -> dict:
         if args.block_size is not None:
             overrides.append(f"draft.block_size={args.block_size}")
         cfg = load_run_config(args.config, overrides)
-        target = _target_config_of(cfg["target"]["path"])
+        target = _target_config_of(cfg["target"]["path"], cfg["target"]["revision"])
         draft = _draft_config_of(cfg, target)
         t = cfg["train"]
         name = args.config

@@ -33,8 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(parser)
     for action in parser._actions:  # the shared help mentions --baseline, which this command does not have
         if "--ckpt" in action.option_strings:
-            action.help = ("optional DFlash draft (official directory or Orbax): generates faster; the answers have "
-                           "the target's distribution either way")
+            action.help = ("optional DFlash draft (official directory, Orbax or Hub id): generates faster; the "
+                           "answers have the target's distribution either way")
     parser.add_argument("--data", required=True, metavar="FILE",
                         help="the prompts: a JSONL file (.gz ok); malformed rows are skipped with a warning")
     parser.add_argument("--out", required=True, metavar="DIR",

@@ -12,6 +12,7 @@ import numpy as np
 from dflash_jax import sharding
 from dflash_jax.checkpoints import orbax_io
 from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target
+from dflash_jax.checkpoints.hub import TOKENIZER_FILES, resolve_checkpoint
 from dflash_jax.checkpoints.official_draft import abstract_draft_params, load_draft
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, flatten
 from dflash_jax.models.config import ConfigError, TargetConfig
@@ -81,11 +82,12 @@ def restore_orbax(path: str | Path, kind: str, dtype: Any = None) -> tuple[Targe
 
 
 def load_target_any(path: str | Path, dtype: Any = "float32", progress: bool = False, mesh: Any = None,
-                    missing: str = "--target") -> tuple[TargetConfig, dict]:
-    """A target from a Hugging Face directory or an Orbax checkpoint. With a ``mesh`` the params land in
-    their rule shardings (``dflash_jax.sharding``): a Hugging Face directory is read tensor by tensor and each
-    device receives only its slice (no full copy per device). ``missing`` names the argument in errors."""
-    path = Path(path)
+                    missing: str = "--target", revision: str | None = None) -> tuple[TargetConfig, dict]:
+    """A target from a Hugging Face directory, an Orbax checkpoint or a Hugging Face Hub id (at ``revision``;
+    ``dflash_jax.checkpoints.hub``). With a ``mesh`` the params land in their rule shardings
+    (``dflash_jax.sharding``): a Hugging Face directory is read tensor by tensor and each device receives only
+    its slice (no full copy per device). ``missing`` names the argument in errors."""
+    path = resolve_checkpoint(path, revision, missing)
     if orbax_io.is_orbax_dir(path):
         config, params = restore_orbax(path, "target", dtype)
         return config, params if mesh is None else jax.device_put(params, sharding.tree_shardings(params, mesh))
@@ -105,25 +107,29 @@ def load_target_any(path: str | Path, dtype: Any = "float32", progress: bool = F
     return load_target(path, dtype=dtype, progress=progress, place=place)
 
 
-def load_draft_any(path: str | Path, dtype: Any = "float32", progress: bool = False) -> tuple[DraftConfig, dict]:
+def load_draft_any(path: str | Path, dtype: Any = "float32", progress: bool = False, what: str = "--ckpt",
+                   revision: str | None = None) -> tuple[DraftConfig, dict]:
+    """A draft from an official directory, an Orbax checkpoint or a Hugging Face Hub id (at ``revision``)."""
+    path = resolve_checkpoint(path, revision, what)
     if orbax_io.is_orbax_dir(path):
         return restore_orbax(path, "draft", dtype)
     return load_draft(path, dtype=dtype, progress=progress)
 
 
-def tokenizer_dir(target_path: str | Path) -> Path:
-    """Where the tokenizer files of a target checkpoint live."""
-    path = Path(target_path)
+def tokenizer_dir(target_path: str | Path, revision: str | None = None, what: str = "--target") -> Path:
+    """Where the tokenizer files of a target checkpoint live (of a Hub id: only those files are fetched)."""
+    path = resolve_checkpoint(target_path, revision, what, TOKENIZER_FILES)
     if orbax_io.is_orbax_dir(path):
         return path / EXTRA_DIR
     return path
 
 
-def load_tokenizer(path: str | Path):
-    """A transformers tokenizer from a directory (imported lazily: only the CLI needs it)."""
+def load_tokenizer(path: str | Path, what: str = "--tokenizer"):
+    """A transformers tokenizer from a directory or a Hugging Face Hub id (imported lazily: only the CLI needs
+    it)."""
     from transformers import AutoTokenizer
 
-    path = Path(path)
+    path = resolve_checkpoint(path, None, what, TOKENIZER_FILES)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{path}: no tokenizer files (tokenizer.json / tokenizer_config.json); pass --tokenizer")
     try:

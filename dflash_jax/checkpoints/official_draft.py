@@ -82,6 +82,7 @@ def save_draft(config: DraftConfig, params: dict, out_dir: str | Path, dtype: An
     for ``trust_remote_code`` loading, ``transformers_version``, ...); they are kept, and every field the
     draft is computed from is written from ``config``."""
     out_dir = Path(out_dir)
+    config.warn_if_last_layer(f"exporting the draft to {out_dir}")
     dtype = resolve_dtype(dtype) if dtype is not None else None
     tensors = params_to_tensors(params, draft_key_of, dtype=dtype)
     save_tensors(tensors, out_dir)

@@ -72,7 +72,7 @@ class LoopState(NamedTuple):
     num_out: jax.Array  # [B]
     done: jax.Array  # [B]
     rounds: jax.Array  # [B] rounds taken while active
-    accept: jax.Array  # [B, max_new] acceptance length (accepted drafts + 1) of each round
+    accept: jax.Array  # [B, max_new] acceptance length of each round: tokens committed (accepted drafts + 1, cut)
     drafts: jax.Array  # [B, max_new, K] proposals per round (or [B, 1, K] when not recorded)
     step: jax.Array  # scalar round counter
     prefill_finite: jax.Array  # [B] the prefill's logits were all finite (checked once, on the host)
@@ -177,8 +177,12 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
     if width == 1:
         drafts, draft_probs, pstate = jnp.zeros((b, block - 1), jnp.int32), None, s.proposer
     else:
+        # Where fewer than a block of tokens remain, the draft sees a block of only the anchor plus the
+        # remaining positions, as in the official code (a bidirectional draft's earlier positions depend on
+        # how many mask tokens follow them); what it proposes past them is never committed.
+        block_len = jnp.minimum(block, settings.max_new_tokens - s.num_out + 1)
         drafts, draft_probs, pstate = proposer.propose(proposer_consts, s.proposer, s.ctx, s.anchor, s.start,
-                                                       k_draft, settings.sampling)
+                                                       k_draft, settings.sampling, block_len)
     tokens = jnp.concatenate([s.anchor[:, None], drafts], axis=1)[:, :width]
     verify = TargetModel(target_config, dtype).apply(
         {"params": target_params}, tokens, positions[:, :width], s.cache,
@@ -221,7 +225,9 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
         ctx = (jnp.pad(features, ((0, 0), (0, block - width), (0, 0))), positions,
                (jnp.arange(block)[None] <= a[:, None]) & active[:, None])
 
-    accept = s.accept.at[jnp.arange(b), s.rounds].set(jnp.where(active, a + 1, 0), mode="drop")
+    # A round's acceptance length is the tokens it committed (the official statistic: cut at max_new_tokens
+    # and after a stop token), so every row's lengths add up to its output.
+    accept = s.accept.at[jnp.arange(b), s.rounds].set(count, mode="drop")
     drafts_log = s.drafts
     if settings.record_drafts:
         drafts_log = s.drafts.at[jnp.arange(b), s.rounds].set(drafts, mode="drop")

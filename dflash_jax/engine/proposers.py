@@ -11,8 +11,9 @@ Methods:
 
 - ``ingest(consts, state, features, positions, valid)`` -> state: the target features of verified positions
   (the prompt after prefill)
-- ``propose(consts, state, ctx, anchor, start, key, sampling)`` -> ``(tokens [B, K], probs [B, K, V] | None,
-  state)``: the K = block-1 proposed tokens for positions ``start+1 .. start+K`` and, for sampling, the
+- ``propose(consts, state, ctx, anchor, start, key, sampling, block_len)`` -> ``(tokens [B, K], probs [B, K, V]
+  | None, state)``: the K = block-1 proposed tokens for positions ``start+1 .. start+K`` (of which only the
+  first ``block_len [B] - 1`` can still be committed) and, for sampling, the
   distribution each came from (None means a deterministic proposal). ``sampling`` is the decode's own
   ``SamplingConfig`` (``DecodeSettings.sampling``, the one place it is set). ``ctx = (features, positions, valid)`` holds the target
   features of the positions verified in the previous round, which the DFlash draft writes into its context
@@ -66,7 +67,7 @@ class DFlashProposer:
                                  method=DraftModel.write_context)
         return {"cache": cache}
 
-    def propose(self, consts: dict, state: dict, ctx, anchor, start, key, sampling: SamplingConfig):
+    def propose(self, consts: dict, state: dict, ctx, anchor, start, key, sampling: SamplingConfig, block_len=None):
         b = anchor.shape[0]
         k = self.block_size - 1
         tokens = jnp.concatenate([anchor[:, None], jnp.full((b, k), self.config.mask_token_id, jnp.int32)], axis=1)
@@ -74,7 +75,7 @@ class DFlashProposer:
         features, ctx_positions, ctx_valid = ctx
         out = self.model.apply(
             {"params": consts["params"]}, tokens, positions, features, ctx_positions, ctx_valid,
-            state["cache"], consts["shared"], skip_anchor_logits=True,
+            state["cache"], consts["shared"], skip_anchor_logits=True, block_len=block_len,
         )
         state = {"cache": out.cache}
         logits = out.logits
@@ -122,7 +123,7 @@ class OracleProposer:
     def ingest(self, consts, state, features, positions, valid):
         return state
 
-    def propose(self, consts, state, ctx, anchor, start, key, sampling):
+    def propose(self, consts, state, ctx, anchor, start, key, sampling, block_len=None):
         pos = start[:, None] + 1 + jnp.arange(self.block_size - 1)[None]
         ref = jnp.take_along_axis(consts["reference"], pos, axis=1, mode="clip")
         bad = jnp.take_along_axis(consts["errors"], pos, axis=1, mode="fill", fill_value=False)
@@ -142,5 +143,5 @@ class NoProposer:
     def ingest(self, consts, state, features, positions, valid):
         return state
 
-    def propose(self, consts, state, ctx, anchor, start, key, sampling):
+    def propose(self, consts, state, ctx, anchor, start, key, sampling, block_len=None):
         return jnp.zeros((anchor.shape[0], 0), jnp.int32), None, state

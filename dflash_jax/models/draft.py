@@ -36,11 +36,25 @@ class DraftOutput(NamedTuple):
     cache: KVCache | None
 
 
+def layer_visibility(query_positions: jax.Array, key_positions: jax.Array, window: int | None,
+                     causal: bool) -> jax.Array:
+    """The official rule of one draft layer over keys at absolute positions (SPEC section 4): a causal layer
+    sees ``k_pos <= q_pos``; a windowed one also needs ``q_pos - k_pos < window`` and, when bidirectional,
+    ``k_pos - q_pos < window``. ``[..., T]``, ``[..., S]`` -> ``[..., T, S]``."""
+    diff = query_positions[..., :, None] - key_positions[..., None, :]
+    mask = diff >= 0 if causal else jnp.ones(diff.shape, bool)
+    if window is not None:
+        mask &= diff < window
+        if not causal:
+            mask &= -diff < window
+    return mask
+
+
 def context_mask(block_positions: jax.Array, key_positions: jax.Array, key_valid: jax.Array,
                  window: int | None) -> jax.Array:
     """Which context keys each block query sees: verified positions strictly before the anchor, and within
-    the sliding window (``q_pos - k_pos < window``) for sliding layers. Shapes ``[B, T]``, ``[B, S]`` ->
-    ``[B, T, S]``."""
+    the sliding window (``q_pos - k_pos < window``) for sliding layers (context keys precede every query, so
+    causality changes nothing here). Shapes ``[B, T]``, ``[B, S]`` -> ``[B, T, S]``."""
     start = block_positions[:, :1, None]
     mask = key_valid[:, None, :] & (key_positions[:, None, :] < start)
     mask = jnp.broadcast_to(mask, block_positions.shape + key_positions.shape[-1:])
@@ -53,21 +67,17 @@ def causal_context_mask(query_positions: jax.Array, key_positions: jax.Array, wi
     """Context positions seeing each other causally (``k_pos <= q_pos``, within the window on sliding
     layers); used only by the input-injection variant, whose context travels through the layers.
     ``[B, T]``, ``[B, S]`` -> ``[B, T, S]``."""
-    diff = query_positions[:, :, None] - key_positions[:, None, :]
-    mask = diff >= 0
-    if window is not None:
-        mask &= diff < window
-    return mask
+    return layer_visibility(query_positions, key_positions, window, causal=True)
 
 
-def block_mask(block_positions: jax.Array, window: int | None) -> jax.Array:
-    """Block tokens see each other bidirectionally; on sliding layers only within ``|q_pos - k_pos| < window``
-    (two-sided, as the official code's flash-attention window; it matters when the window is smaller than
-    the block)."""
-    b, t = block_positions.shape
-    mask = jnp.ones((b, t, t), bool)
-    if window is not None:
-        mask &= jnp.abs(block_positions[:, :, None] - block_positions[:, None, :]) < window
+def block_mask(block_positions: jax.Array, window: int | None, causal: bool,
+               block_len: jax.Array | None = None) -> jax.Array:
+    """Block tokens among themselves, by the layer's rule (``layer_visibility``). ``block_len [B]``: only the
+    first ``block_len`` block tokens exist as keys, as when the official code drafts a shorter block where
+    fewer tokens than a block remain to be generated."""
+    mask = layer_visibility(block_positions, block_positions, window, causal)
+    if block_len is not None:
+        mask &= (jnp.arange(block_positions.shape[1]) < block_len[:, None])[:, None, :]
     return mask
 
 
@@ -100,18 +110,19 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(h).reshape(b, t, cfg.num_attention_heads, cfg.head_dim))
         return apply_rope(q, positions, rope_inv_freq(cfg.rope, cfg.head_dim))
 
-    def __call__(self, h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths=None):
+    def __call__(self, h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths=None,
+                 blk_lengths=None, causal=False):
         """``ctx_keys/values [B, KV, S, D]`` (the context cache, already roped) are read up to ``live`` slots
         (``layers.cache_attention``); ``ctx_visible(key_positions [C]) -> [B, T, C]``; ``blk_mask [B, T, T]``.
-        ``ctx_lengths [B]``, where given, is the same context visibility as a per-row slot count with the whole
-        block visible (layers without a window), the form fused kernels take."""
+        ``ctx_lengths [B]``, where given, is the same context visibility as a per-row slot count, and
+        ``blk_lengths [B]`` the block keys that exist (causal or not, no window): the form fused kernels take."""
         b, t, _ = h.shape
         q = self.queries(h, block_positions)
         k_blk, v_blk = self.keys_values(h, block_positions)
         k_blk, v_blk = to_cache_layout(k_blk), to_cache_layout(v_blk)
         segments = None
         if ctx_lengths is not None:
-            segments = [Segment(ctx_keys, ctx_values, ctx_lengths), Segment(k_blk, v_blk, jnp.full((b,), t, jnp.int32))]
+            segments = [Segment(ctx_keys, ctx_values, ctx_lengths), Segment(k_blk, v_blk, blk_lengths, causal)]
         out = cache_attention(q, ctx_keys, ctx_values, ctx_visible, live, extra=[(k_blk, v_blk, blk_mask)],
                               segments=segments)
         return self.o_proj(out.reshape(b, t, -1))
@@ -120,6 +131,7 @@ class DraftAttention(nn.Module):
 class DraftLayer(nn.Module):
     config: DraftConfig
     window: int | None = None
+    causal: bool = False  # inside the block (DraftConfig.layer_causal)
     dtype: Any = jnp.float32
 
     def setup(self):
@@ -149,9 +161,11 @@ class DraftLayer(nn.Module):
         ctx = ctx + self.self_attn.o_proj(out.reshape(b, t, -1))
         return ctx + self.mlp(self.post_attention_layernorm(ctx))
 
-    def __call__(self, x, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths=None):
+    def __call__(self, x, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths=None,
+                 blk_lengths=None):
         h = self.input_layernorm(x)
-        x = x + self.self_attn(h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths)
+        x = x + self.self_attn(h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths,
+                               blk_lengths, self.causal)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -165,10 +179,8 @@ class DraftModel(nn.Module):
         cfg = self.config
         self.fc = nn.Dense(cfg.hidden_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
         self.hidden_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
-        self.layers = [
-            DraftLayer(cfg, cfg.sliding_window if kind == "sliding_attention" else None, self.dtype)
-            for kind in cfg.layer_types
-        ]
+        self.layers = [DraftLayer(cfg, cfg.layer_window(i), causal, self.dtype)
+                       for i, causal in enumerate(cfg.layer_causal)]
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
 
     def fuse(self, features: jax.Array) -> jax.Array:
@@ -204,27 +216,31 @@ class DraftModel(nn.Module):
         cache: KVCache,
         shared: SharedHead,
         skip_anchor_logits: bool = False,
+        block_len: jax.Array | None = None,
     ) -> DraftOutput:
         """One inference forward.
 
         ``ctx_features [B, Tc, n*H]`` are the raw target features of the newly verified positions
         ``ctx_positions [B, Tc]`` (``ctx_valid`` marks real ones); their keys/values are written into
         ``cache`` at slot = position. The block ``[B, T]`` at ``block_positions`` then attends to every
-        cached context slot before its anchor plus the whole block.
+        cached context slot before its anchor plus the block (each layer's rule: ``block_mask``), of which
+        only the first ``block_len [B]`` tokens exist (default: all).
         """
         cache = self.write_context(ctx_features, ctx_positions, ctx_valid, cache)
         b = block_tokens.shape[0]
         live = jnp.max(cache.lengths)  # context attention stops at the longest row
+        blk_lengths = jnp.full((b,), block_tokens.shape[1], jnp.int32) if block_len is None else block_len
         x = self.embed_block(block_tokens, shared)
         for i, layer in enumerate(self.layers):
             def visible(pos, window=layer.window):
                 keys = jnp.broadcast_to(pos, (b, pos.shape[0]))
                 return context_mask(block_positions, keys, keys < cache.lengths[:, None], window)
 
-            # Without a window a block sees exactly the context slots before its anchor (fused kernels' form).
+            # Without a window a block sees exactly the context slots before its anchor and the first block_len
+            # block keys (causally or not): the fused kernels' form.
             ctx_lengths = None if layer.window is not None else jnp.minimum(cache.lengths, block_positions[:, 0])
             x = layer(x, block_positions, cache.keys[i], cache.values[i], visible, live,
-                      block_mask(block_positions, layer.window), ctx_lengths)
+                      block_mask(block_positions, layer.window, layer.causal, block_len), ctx_lengths, blk_lengths)
         if skip_anchor_logits:  # the anchor's prediction is never used at inference: save 1/B of the head
             x = x[:, 1:]
         return DraftOutput(self.logits(x, shared), cache)

@@ -7,9 +7,11 @@ Field placement differs between released checkpoints: DFlash fields (``target_la
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
+from dflash_jax.errors import ServingWarning
 from dflash_jax.models.config import (
     MAX_LAYERS, ConfigError, RopeConfig, TargetConfig, attention_shape, bool_field, float_field, int_field,
     parse_rope, read_config_json, require, rope_to_hf,
@@ -58,10 +60,38 @@ class DraftConfig:
     final_logit_softcapping: float | None = None
     model_type: str = "qwen3"
     context_injection: str = "every_layer"
+    # The official ``is_causal`` (newest code): True/False makes every layer causal/bidirectional inside the
+    # block; None (absent) makes sliding layers causal and full layers bidirectional.
+    is_causal: bool | None = None
 
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def layer_causal(self) -> tuple[bool, ...]:
+        """Per layer: whether block queries see only block keys at or before their own position."""
+        if self.is_causal is not None:
+            return (self.is_causal,) * self.num_hidden_layers
+        return tuple(kind == "sliding_attention" for kind in self.layer_types)
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @property
+    def reads_last_layer(self) -> bool:
+        """Whether a feature comes from the target's last layer, which only transformers-based code can give:
+        SGLang and vLLM capture the INPUT of layer i+1, so there is no layer after the last to read (SPEC 3)."""
+        return self.num_target_layers - 1 in self.target_layer_ids
+
+    def last_layer_note(self) -> str:
+        return (f"target_layer_ids {list(self.target_layer_ids)} include the target's last layer "
+                f"{self.num_target_layers - 1}: the official code feeds it the final-normed output, but SGLang "
+                "and vLLM cannot serve such a draft (they capture the input of layer i+1)")
+
+    def warn_if_last_layer(self, source: str) -> None:
+        if self.reads_last_layer:
+            warnings.warn(f"{source}: {self.last_layer_note()}", ServingWarning, stacklevel=2)
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "draft config") -> "DraftConfig":
@@ -155,6 +185,7 @@ class DraftConfig:
             final_logit_softcapping=cap or None,
             model_type=str(cfg.get("model_type", "qwen3")),
             context_injection=injection,
+            is_causal=bool_field(cfg, "is_causal", source, None),
         )
 
     @classmethod
@@ -190,6 +221,8 @@ class DraftConfig:
                 "mask_token_id": self.mask_token_id,
             },
         }
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
         out.update(rope_to_hf(self.rope))
         if self.input_embedding_scale != 1.0:
             out["dflash_config"]["input_embedding_scale"] = self.input_embedding_scale
@@ -239,3 +272,4 @@ class DraftConfig:
                 f"{source}: num_target_layers {self.num_target_layers} != target num_hidden_layers "
                 f"{target.num_hidden_layers}"
             )
+        self.warn_if_last_layer(source)

@@ -1,8 +1,10 @@
 """The target decoder: LLaMA-2/3.x, Qwen2/2.5 and Qwen3 as flags of one pure Flax module.
 
 ``TargetModel.apply({'params': p}, tokens, positions, cache=..., feature_layers=(...))`` runs prefill or a
-multi-token extension in one call and returns the logits, the requested layers' hidden features (the output
-of decoder block ``i``, before any final norm: Hugging Face's ``hidden_states[i + 1]``) and the new cache.
+multi-token extension in one call and returns the logits, the requested layers' hidden features and the new
+cache. The feature of layer ``i`` is exactly Hugging Face's ``hidden_states[i + 1]``: the output of decoder
+block ``i``, except for the LAST layer, whose entry transformers takes after the final norm (SPEC section 3;
+the official DFlash code feeds that normed output to drafts that read the last layer).
 """
 
 from __future__ import annotations
@@ -103,7 +105,10 @@ class TargetModel(nn.Module):
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """Final norm then the output head (tied or not): logits from pre-norm hidden states."""
-        x = self.norm(hidden)
+        return self.unembed(self.norm(hidden))
+
+    def unembed(self, x: jax.Array) -> jax.Array:
+        """The output head alone (tied or not), on final-normed hidden states."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens.attend(x)
         return self.lm_head(x)
@@ -147,20 +152,26 @@ class TargetModel(nn.Module):
             slots = None
             mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
         features, new_keys, new_values = {}, [], []
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             kv = (cache.keys[i], cache.values[i]) if cache is not None else None
             x, new_kv = layer(x, positions, mask, kv, slots, live, spans)
             if new_kv is not None:
                 new_keys.append(new_kv[0])
                 new_values.append(new_kv[1])
-            if i in feature_layers:
+            if i in feature_layers and i < last:
                 features[i] = x
+        normed = None
+        if last in feature_layers:  # transformers' hidden_states[-1] is taken after the final norm
+            normed = features[last] = self.norm(x)
         feats = jnp.concatenate([features[i] for i in feature_layers], axis=-1) if feature_layers else None
         logits = None
         if not skip_logits:
             if logits_at is not None:
                 x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
-            logits = self.head(x)
+                logits = self.head(x)
+            else:  # the last layer's feature already holds the normed states
+                logits = self.unembed(normed) if normed is not None else self.head(x)
         new_cache = None
         if cache is not None:
             new_cache = KVCache(tuple(new_keys), tuple(new_values), new_lengths)

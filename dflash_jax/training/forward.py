@@ -8,7 +8,8 @@ exactly the inference module's. What changes is the attention:
 * context keys/values are computed ONCE for all ``L`` positions of a sequence (RoPE at their positions);
 * the ``A * B`` block queries see context positions strictly before their block's anchor (``<= a`` would
   leak: at inference the target has no feature for the anchor yet), limited by the window on sliding
-  layers, plus their own block's ``B`` keys bidirectionally, and never another block.
+  layers, plus their own block's ``B`` keys (bidirectionally, or causally on causal layers: the official
+  per-layer rule), and never another block.
 
 Rather than a dense ``[A*B, L + A*B]`` mask per head, the scores come in two parts: the context part
 ``[A*B, L]`` (mask = key position < anchor position) and the block-diagonal in-block part ``[A, B, B]``,
@@ -21,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.models.draft import DraftModel, SharedHead
+from dflash_jax.models.draft import DraftModel, SharedHead, layer_visibility
 from dflash_jax.models.layers import to_cache_layout
 
 
@@ -39,13 +40,9 @@ def packed_context_mask(block_positions: jax.Array, num_context: int, window: in
     return mask
 
 
-def packed_block_mask(block_positions: jax.Array, window: int | None) -> jax.Array:
-    """``[N, A, B, B]``: block-diagonal in-block visibility, bidirectional (windowed like ``block_mask``)."""
-    shape = block_positions.shape + block_positions.shape[-1:]
-    mask = jnp.ones(shape, bool)
-    if window is not None:
-        mask &= jnp.abs(block_positions[..., :, None] - block_positions[..., None, :]) < window
-    return mask
+def packed_block_mask(block_positions: jax.Array, window: int | None, causal: bool) -> jax.Array:
+    """``[N, A, B, B]``: block-diagonal in-block visibility, by the layer's rule as at inference."""
+    return layer_visibility(block_positions, block_positions, window, causal)
 
 
 def packed_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, ctx_mask, blk_mask):
@@ -112,7 +109,7 @@ def _block_hidden(module: DraftModel, context_kv, block_tokens, block_positions,
             q.reshape(n, a, b, cfg.num_attention_heads, cfg.head_dim), k_ctx, v_ctx,
             k_blk.reshape(shape5), v_blk.reshape(shape5),
             packed_context_mask(block_positions, length, layer.window, anchor_valid),
-            packed_block_mask(block_positions, layer.window),
+            packed_block_mask(block_positions, layer.window, layer.causal),
         )
         x = x + attn.o_proj(out.reshape(n, a * b, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))

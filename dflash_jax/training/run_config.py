@@ -22,11 +22,16 @@ REQUIRED = object()
 # section -> key -> (default, allowed type(s), help). ``None`` defaults are optional.
 SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
     "target": {
-        "path": (REQUIRED, (str,), "target model: Hugging Face directory or Orbax checkpoint of this project"),
-        "tokenizer": (None, (str,), "tokenizer directory (default: the target's own)"),
+        "path": (REQUIRED, (str,), "target model: Hugging Face directory, Orbax checkpoint of this project, or "
+                                   "Hugging Face Hub id such as Qwen/Qwen3-8B (the Hugging Face cache; "
+                                   "HF_HUB_OFFLINE=1 reads it alone; a local path of the same name wins)"),
+        "revision": (None, (str,), "with a Hub id as target.path: its branch, tag or commit instead of main"),
+        "tokenizer": (None, (str,), "tokenizer directory or Hub id (default: the target's own)"),
     },
     "draft": {
-        "init": (None, (str,), "an existing draft (official directory or Orbax) to fine-tune instead of a new one"),
+        "init": (None, (str,), "an existing draft (official directory, Orbax or Hub id) to fine-tune instead of a "
+                               "new one"),
+        "init_revision": (None, (str,), "with a Hub id as draft.init: its branch, tag or commit instead of main"),
         "num_layers": (None, (int,), "draft depth of a new draft (default 5)"),
         "block_size": (None, (int,), "tokens per block: anchor + block_size-1 mask positions (default 16)"),
         "target_layer_ids": (None, (list,), "target layers whose features the draft reads (default: spread)"),
@@ -38,6 +43,8 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
                                    "sqrt(head_dim), so tiny heads cannot focus)"),
         "context_injection": (None, (str,), "every_layer (DFlash: features as keys/values in every layer) or "
                                             "input (the paper's ablation: features at the input only)"),
+        "allow_last_layer": (False, (bool,), "experiments only: let a new draft read the target's last layer "
+                                             "(the official code runs it; SGLang/vLLM cannot serve it)"),
         "init_std": (0.02, (float, int), "std of the normal init of new linear weights (HF initializer_range)"),
     },
     "data": {
@@ -159,6 +166,13 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
     ids = out["draft"]["target_layer_ids"]
     if ids is not None and (not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
         raise ConfigError(f"{source}: draft.target_layer_ids must be a non-empty list of integers, got {ids!r}")
+    for section, key, of in (("target", "revision", "path"), ("draft", "init_revision", "init")):
+        revision = out[section][key]
+        if revision is not None and not revision.strip():
+            raise ConfigError(f"{source}: {section}.{key} must not be empty (leave it out for the default branch)")
+        if revision is not None and not out[section][of]:
+            raise ConfigError(f"{source}: {section}.{key} needs {section}.{of} (the Hugging Face Hub id it is a "
+                              "revision of)")
     return out
 
 

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from dflash_jax import sharding
 from dflash_jax.checkpoints import orbax_io
+from dflash_jax.checkpoints.hub import resolve_checkpoint
 from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer, tokenizer_dir
 from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft
 from dflash_jax.data.pipeline import BatchIterator, make_dataset, steps_per_run
@@ -58,7 +59,7 @@ def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, di
         if shaped:
             raise ConfigError(f"run config: draft.{shaped[0]} cannot be combined with draft.init (the existing "
                               f"draft's own config decides it); remove it or train a new draft")
-        config, params = load_draft_any(d["init"], dtype="float32")
+        config, params = load_draft_any(d["init"], dtype="float32", what="draft.init", revision=d["init_revision"])
         config.validate_against(target, source=f"draft.init {d['init']}")
         return config, params
     ids = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else None
@@ -67,6 +68,9 @@ def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, di
     shape = {k: d[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                                "context_injection") if d[k]}
     config = dataclasses.replace(config, **shape)
+    if config.reads_last_layer and not d["allow_last_layer"]:
+        raise ConfigError(f"run config: draft.{config.last_layer_note()}. Pick earlier layers (the default spread "
+                          "ends 3 before the last), or set draft.allow_last_layer: true for an experiment")
     if config.num_attention_heads % config.num_key_value_heads:
         raise ConfigError(f"run config: draft.num_attention_heads {config.num_attention_heads} is not a multiple of "
                           f"draft.num_key_value_heads {config.num_key_value_heads}")
@@ -174,10 +178,12 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
     log(f"mesh {dict(mesh.shape)} over {jax.device_count()} {jax.default_backend()} device(s), "
         f"{jax.process_count()} process(es); compute dtype {jnp.dtype(dtype).name}")
 
-    target_config, target_params = load_target_any(cfg["target"]["path"], dtype, mesh=mesh, missing="target.path")
+    # A Hub id becomes its cached snapshot directory once, here (dflash_jax.checkpoints.hub).
+    target_path = resolve_checkpoint(cfg["target"]["path"], cfg["target"]["revision"], "target.path")
+    target_config, target_params = load_target_any(target_path, dtype, mesh=mesh, missing="target.path")
     draft_config, init_params = build_draft_config(cfg, target_config)
-    tokenizer = load_tokenizer(cfg["target"]["tokenizer"] or tokenizer_dir(cfg["target"]["path"]))
-    stop_tokens = stop_tokens_of(target_config, tokenizer, tokenizer_dir(cfg["target"]["path"]))
+    tokenizer = load_tokenizer(cfg["target"]["tokenizer"] or tokenizer_dir(target_path), what="target.tokenizer")
+    stop_tokens = stop_tokens_of(target_config, tokenizer, tokenizer_dir(target_path))
     if tokenized is None:
         tokenized = read_training_data(cfg, tokenizer, log, progress)
     if eval_prompts is None and cfg["data"]["eval_prompts"]:
