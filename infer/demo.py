@@ -5,6 +5,18 @@ by Andrej Karpathy, MIT licence) and the DFlash draft this project trained for i
 stories260k-b8.yaml). The demo generates a story greedily with DFlash and with plain autoregressive decoding on
 the same engine, checks that the two outputs are identical, and reports tau (tokens committed per round) and
 the measured decode speedup.
+
+Timing: after one untimed run of each (it compiles), DFlash and the baseline decode alternately, --repeats
+pairs in a row (DFlash, baseline, DFlash, baseline, ...). Each pair gives a ratio (baseline decode time /
+DFlash decode time: both decode the same tokens); the speedup printed is the median ratio, with the middle
+half of the ratios (interquartile range) and their extremes as the spread. A decode of 200 tokens lasts tens of
+milliseconds on a CPU, so pairing cancels the machine's drift (other processes, clock changes) that separate
+medians would not.
+
+The speedup is tau / (round cost), the round cost being the time of a DFlash round (draft forward + verify of
+the block + accept) in autoregressive steps, both measured in this run. On a CPU a round of block 8 costs a
+few AR steps, which caps the speedup well below tau; where a round costs about one AR step (a GPU at batch 1,
+memory-bound), the same tau gives about tau x.
 """
 
 from __future__ import annotations
@@ -16,7 +28,9 @@ import numpy as np
 from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET
 from dflash_jax.errors import UserError
 from infer.cli import Parser, run_cli, text_arg
-from infer.run import format_summary, load_decoder, summarize
+from infer.run import load_decoder
+
+DEFAULT_PAIRS = 20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,36 +41,92 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
                         help="tokens to generate (default 200, the length llama2.c's own test uses)")
     parser.add_argument("--block-size", type=int, metavar="B",
-                        help="tokens per round, at most the draft's 8 (default 8)")
-    parser.add_argument("--repeats", type=int, default=3, metavar="N",
-                        help="timed runs of each decoder; the median decode time is reported (default 3)")
+                        help="tokens per round (anchor + B-1 drafts), 2 to the draft's 8 (default 8)")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_PAIRS, metavar="N",
+                        help="timed pairs of decodes (DFlash then baseline, N times in a row, after one untimed "
+                             "run of each); the speedup is the median of the N per-pair ratios, printed with "
+                             f"their spread (default {DEFAULT_PAIRS}: about 2 s of decoding on a 2-core CPU)")
     return parser
 
 
-def _median_run(generate, repeats: int):
-    runs = [generate() for _ in range(repeats)]
-    return sorted(runs, key=lambda r: r.decode_s)[len(runs) // 2]
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, med, q3 = np.percentile(np.asarray(values, np.float64), [25, 50, 75])
+    return float(q1), float(med), float(q3)
+
+
+def timed_pairs(run_dflash, run_baseline, pairs: int):
+    """One untimed run of each (compile + warm-up), then ``pairs`` runs of each, alternating. Returns the
+    warm-up results and the list of ``(dflash, baseline)`` results; every run must give the same tokens."""
+    first = run_dflash(), run_baseline()
+    out = []
+    for _ in range(pairs):
+        pair = run_dflash(), run_baseline()
+        for r, ref, name in zip(pair, first, ("DFlash", "the baseline")):
+            if r.tokens != ref.tokens:  # greedy decoding of one program must repeat exactly
+                raise RuntimeError(f"{name} gave different tokens on a repeated run")
+        out.append(pair)
+    return first, out
+
+
+def pair_figures(pairs) -> dict:
+    """Per-pair speedup (baseline decode s / DFlash decode s, the same tokens decoded) and round cost (a DFlash
+    round's time in AR steps: decode_s / rounds of each), with medians and quartiles. Batch of one row."""
+    speedups, costs = [], []
+    for d, b in pairs:
+        speedups.append(b.decode_s / d.decode_s)
+        costs.append((d.decode_s / d.rounds[0]) / (b.decode_s / b.rounds[0]))
+    q1, med, q3 = _quartiles(speedups)
+    return {"speedups": speedups, "speedup": med, "speedup_q1": q1, "speedup_q3": q3,
+            "round_cost": _quartiles(costs)[1],
+            "dflash_s": float(np.median([d.decode_s for d, _ in pairs])),
+            "baseline_s": float(np.median([b.decode_s for _, b in pairs]))}
+
+
+def format_figures(f: dict, tau: float, decoded: int, block: int, pairs: int) -> str:
+    lo, hi = min(f["speedups"]), max(f["speedups"])
+    spread = (f"middle half {f['speedup_q1']:.2f}-{f['speedup_q3']:.2f}x, all {lo:.2f}-{hi:.2f}x"
+              if pairs > 1 else "one pair: no spread")
+    return "\n".join([
+        f"decode  : DFlash {decoded / f['dflash_s']:.0f} tok/s ({f['dflash_s'] * 1e3:.1f} ms), baseline "
+        f"{decoded / f['baseline_s']:.0f} tok/s ({f['baseline_s'] * 1e3:.1f} ms), {decoded} tokens after the "
+        "prefill's first, same engine",
+        f"speedup : {f['speedup']:.2f}x (median of {pairs} interleaved pairs; {spread})",
+        f"why     : a DFlash round (draft + verify {block} tokens) costs {f['round_cost']:.2f} AR steps here, so "
+        f"tau {tau:.2f} / {f['round_cost']:.2f} = {tau / f['round_cost']:.2f}x;",
+        f"          where a round costs about one AR step (a GPU at batch 1) the same tau gives ~{tau:.1f}x",
+    ])
 
 
 def demo_main(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.repeats < 1:
-        raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+        raise UserError(f"--repeats must be at least 1 (timed pairs of decodes), got {args.repeats}")
+    if args.block_size is not None and args.block_size < 2:
+        raise UserError(f"--block-size must be at least 2 (the anchor and one draft), got {args.block_size}")
     print(f"target: stories260K (llama2.c, {DEMO_TARGET.name})\ndraft:  DFlash draft trained by dflash_jax "
           f"({DEMO_DRAFT.name})")
     decoder, tokenizer, stops = load_decoder(argparse.Namespace(
         target=str(DEMO_TARGET), ckpt=str(DEMO_DRAFT), tokenizer=None, dtype="float32", block_size=args.block_size))
     prompt = [tokenizer.bos_token_id] + list(tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
-    dflash = _median_run(lambda: decoder.generate([prompt], args.max_new_tokens, stop_tokens=stops), args.repeats)
-    baseline = _median_run(lambda: decoder.generate([prompt], args.max_new_tokens, stop_tokens=stops,
-                                                    baseline=True), args.repeats)
+    print(f"compiling, then timing {args.repeats} pair(s) of decodes (DFlash, baseline, alternating) ...",
+          flush=True)
+    (dflash, baseline), pairs = timed_pairs(
+        lambda: decoder.generate([prompt], args.max_new_tokens, stop_tokens=stops),
+        lambda: decoder.generate([prompt], args.max_new_tokens, stop_tokens=stops, baseline=True),
+        args.repeats)
     text = tokenizer.decode(prompt + dflash.tokens[0], skip_special_tokens=True)
     print(f"\n{text}\n")
     print(f"identical to the baseline: {dflash.tokens == baseline.tokens}")
+    decoded = dflash.num_tokens - 1  # the prefill makes the first token
+    if decoded < 1 or dflash.rounds[0] < 1:
+        print(f"tau     : nothing decoded after the prefill's first token ({dflash.num_tokens} token(s)): no "
+              "speedup to measure")
+        return 0
     counts = np.bincount(dflash.accept_lengths[0], minlength=decoder.block_size + 1)[1:]
-    print("tokens per round: " + ", ".join(f"{k}: {c}" for k, c in enumerate(counts, start=1) if c))
-    print(format_summary(summarize(dflash, baseline)))
+    print(f"tau     : {dflash.tau:.2f} tokens per round ({decoded} tokens in {dflash.rounds[0]} rounds; rounds "
+          "committing " + ", ".join(f"{k}: {c}" for k, c in enumerate(counts, start=1) if c) + ")")
+    print(format_figures(pair_figures(pairs), dflash.tau, decoded, decoder.block_size, args.repeats))
     return 0
 
 

@@ -56,6 +56,11 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
                              "device when the program compiles), e.g. 1,2,4 with a block-8 draft (1: plain "
                              "autoregressive rounds, no draft forward, with occasional probes); the output is "
                              "unchanged")
+    parser.add_argument("--draft-window", type=int, metavar="N",
+                        help="bound every draft layer's context to the last N positions before each query (beyond "
+                             "the official code; default: the draft's own layers, sliding ones keep their window): "
+                             "at long prompts the draft's attention and cache stop growing with the prompt. Only "
+                             "the proposals change, never the output")
     parser.add_argument("--mesh", metavar="SPEC",
                         help="shard the models over devices, e.g. tensor=8 or data=2,tensor=4 (axes data, fsdp, "
                              "tensor; the training's rules table: attention heads and MLP over tensor, KV caches "
@@ -142,8 +147,11 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
     adaptive = getattr(args, "adaptive", ())
     if adaptive and draft_config is None:
         raise UsageError("--adaptive needs a draft (--ckpt)")
+    draft_window = getattr(args, "draft_window", None)
+    if draft_window is not None and draft_config is None:
+        raise UsageError("--draft-window needs a draft (--ckpt)")
     decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype, mesh,
-                      adaptive, attention=getattr(args, "attention", "auto"))
+                      adaptive, attention=getattr(args, "attention", "auto"), draft_window=draft_window)
     # EOS ids come from the target's own generation config, whichever tokenizer directory is used.
     return decoder, tokenizer, stop_tokens_of(target_config, tokenizer, tokenizer_dir(target_path))
 

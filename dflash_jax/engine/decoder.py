@@ -36,6 +36,7 @@ class Decoder:
     adaptive_widths: tuple[int, ...] = ()  # DecodeSettings.adaptive_widths: verify widths chosen per phase
     width_costs: tuple[float, ...] = ()  # DecodeSettings.width_costs: their relative round times (else measured)
     attention: str = "auto"  # DecodeSettings.attention: the attention kernel
+    draft_window: int | None = None  # DraftModel.draft_window: every draft layer sees at most this much context
 
     def __post_init__(self):
         self.dtype = resolve_dtype(self.dtype)
@@ -56,6 +57,7 @@ class Decoder:
                     f"block_size {self.block_size} must be between 2 and the draft's block_size "
                     f"{self.draft_config.block_size}"
                 )
+            DFlashProposer(self.draft_config, self.block_size, self.dtype, self.draft_window)  # checks the window
 
     @property
     def has_draft(self) -> bool:
@@ -83,7 +85,7 @@ class Decoder:
         if baseline or not self.has_draft:
             return generate(self.target_config, self.target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)
-        proposer = DFlashProposer(self.draft_config, self.block_size, self.dtype)
+        proposer = DFlashProposer(self.draft_config, self.block_size, self.dtype, self.draft_window)
         slots = cache_slots(max(len(p) for p in prompts), max_new_tokens, self.block_size,
                             self.target_config.max_position_embeddings)
         inputs = proposer.init(

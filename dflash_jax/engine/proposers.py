@@ -43,12 +43,15 @@ class DFlashProposer:
     config: DraftConfig
     block_size: int
     dtype: Any = jnp.float32
+    draft_window: int | None = None  # DraftModel.draft_window: every layer sees at most this much context
 
     def __post_init__(self):
         if not 2 <= self.block_size <= self.config.block_size:
             raise UserError(
                 f"block size {self.block_size} must be between 2 and the draft's block_size {self.config.block_size}"
             )
+        if self.draft_window is not None and self.draft_window < 1:
+            raise UserError(f"draft window must be a positive number of positions, got {self.draft_window}")
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -56,11 +59,11 @@ class DFlashProposer:
 
     @property
     def model(self) -> DraftModel:
-        return DraftModel(self.config, self.dtype)
+        return DraftModel(self.config, self.dtype, self.draft_window)
 
     def init(self, params: dict, shared: SharedHead, batch: int, slots: int) -> tuple[dict, dict]:
         consts = {"params": params, "shared": shared}
-        return consts, {"cache": init_draft_cache(self.config, batch, slots, self.dtype)}
+        return consts, {"cache": init_draft_cache(self.config, batch, slots, self.dtype, self.draft_window)}
 
     def ingest(self, consts: dict, state: dict, features, positions, valid) -> dict:
         cache = self.model.apply({"params": consts["params"]}, features, positions, valid, state["cache"],

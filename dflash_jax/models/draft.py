@@ -170,10 +170,15 @@ class DraftLayer(nn.Module):
 
 
 class DraftModel(nn.Module):
-    """Params: ``fc/kernel``, ``hidden_norm/weight``, ``layers_{i}/...``, ``norm/weight`` (official keys)."""
+    """Params: ``fc/kernel``, ``hidden_norm/weight``, ``layers_{i}/...``, ``norm/weight`` (official keys).
+
+    ``draft_window`` (inference only, beyond the official code) bounds every layer's context to the last
+    ``draft_window`` positions before each query, as a sliding window does: at long context the draft's
+    attention and cache stop growing with the prompt. Only the proposals change, never the output."""
 
     config: DraftConfig
     dtype: Any = jnp.float32
+    draft_window: int | None = None
 
     def setup(self):
         cfg = self.config
@@ -232,27 +237,47 @@ class DraftModel(nn.Module):
         blk_lengths = jnp.full((b,), block_tokens.shape[1], jnp.int32) if block_len is None else block_len
         x = self.embed_block(block_tokens, shared)
         for i, layer in enumerate(self.layers):
-            def visible(pos, window=layer.window):
-                keys = jnp.broadcast_to(pos, (b, pos.shape[0]))
-                return context_mask(block_positions, keys, keys < cache.lengths[:, None], window)
+            bound = self.context_bound(i)
+            size = cache.keys[i].shape[2]
 
-            # Without a window a block sees exactly the context slots before its anchor and the first block_len
+            def visible(slot, bound=bound, size=size):
+                if bound is None:  # slot = position
+                    keys = jnp.broadcast_to(slot, (b, slot.shape[0]))
+                    return context_mask(block_positions, keys, keys < cache.lengths[:, None], None)
+                keys = ring_positions(slot, cache.lengths, size)
+                return context_mask(block_positions, keys, keys >= 0, bound)
+
+            # Without a bound a block sees exactly the context slots before its anchor and the first block_len
             # block keys (causally or not): the fused kernels' form.
-            ctx_lengths = None if layer.window is not None else jnp.minimum(cache.lengths, block_positions[:, 0])
-            x = layer(x, block_positions, cache.keys[i], cache.values[i], visible, live,
+            ctx_lengths = None if bound is not None else jnp.minimum(cache.lengths, block_positions[:, 0])
+            x = layer(x, block_positions, cache.keys[i], cache.values[i], visible,
+                      live if bound is None else jnp.minimum(live, size),
                       block_mask(block_positions, layer.window, layer.causal, block_len), ctx_lengths, blk_lengths)
         if skip_anchor_logits:  # the anchor's prediction is never used at inference: save 1/B of the head
             x = x[:, 1:]
         return DraftOutput(self.logits(x, shared), cache)
 
+    def context_bound(self, i: int) -> int | None:
+        """How far back layer ``i``'s block queries see the context (``q_pos - k_pos < bound``): its sliding
+        window and/or the run's ``draft_window``; None: everything."""
+        return _bound(self.layers[i].window, self.draft_window)
+
     def write_context(self, ctx_features: jax.Array, ctx_positions: jax.Array, ctx_valid: jax.Array,
                       cache: KVCache) -> KVCache:
-        """Fuse raw target features and store every layer's context keys/values at slot = position."""
+        """Fuse raw target features and store every layer's context keys/values: at slot = position, or at
+        slot = position mod size in a bounded layer's ring (``init_draft_cache``)."""
         ctx = self.fuse(ctx_features)
-        slots = write_slots(ctx_positions, ctx_valid, cache.num_slots)
         lengths = lengths_after_write(cache.lengths, ctx_positions, ctx_valid)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
+            size = cache.keys[i].shape[2]
+            if self.context_bound(i) is None:
+                slots = write_slots(ctx_positions, ctx_valid, size)
+            else:
+                # Only the last ``size`` positions survive a write (a long prefill chunk wraps around the ring):
+                # the older ones are dropped rather than scattered onto the same slots in an undefined order.
+                keep = ctx_valid & (ctx_positions >= lengths[:, None] - size)
+                slots = jnp.where(keep, ctx_positions % size, size)
             k_ctx, v_ctx = layer.context_kv(ctx, ctx_positions)
             new_keys.append(write_rows(cache.keys[i], k_ctx, slots))
             new_values.append(write_rows(cache.values[i], v_ctx, slots))
@@ -263,8 +288,37 @@ class DraftModel(nn.Module):
         return KVCache(tuple(new_keys), tuple(new_values), lengths)
 
 
-def init_draft_cache(config: DraftConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
-    return KVCache.create(config.num_hidden_layers, batch, slots, config.num_key_value_heads, config.head_dim, dtype)
+def _bound(window: int | None, draft_window: int | None) -> int | None:
+    bounds = [w for w in (window, draft_window) if w is not None]
+    return min(bounds) if bounds else None
+
+
+def ring_positions(slots: jax.Array, lengths: jax.Array, size: int) -> jax.Array:
+    """The absolute position each ring slot ``[C]`` holds, per row ``[B, C]``: the last position below the row's
+    context length that maps onto it (negative: never written). Every position below the length was written
+    in order, so slot ``s`` holds the newest ``p < length`` with ``p % size == s``."""
+    last = lengths[:, None] - 1
+    return last - jnp.mod(last - slots[None, :], size)
+
+
+def context_cache_sizes(config: DraftConfig, slots: int, draft_window: int | None = None) -> tuple[int, ...]:
+    """Slots of each layer's context cache: a layer that sees only the last ``bound`` positions (a sliding
+    window, or ``draft_window`` for every layer) keeps them in a ring of ``bound`` slots (a query at ``start+i``
+    needs context ``> start + i - bound``, so the ``bound - 1`` positions before the anchor at most);
+    the others keep every position. A ring as large as the whole cache is the plain layout (slot = position),
+    so a bound longer than the context changes nothing."""
+    if config.context_injection == "input":  # its context's own causal pass reads the cache by position
+        return (slots,) * config.num_hidden_layers
+    return tuple(min(slots, _bound(config.layer_window(i), draft_window) or slots)
+                 for i in range(config.num_hidden_layers))
+
+
+def init_draft_cache(config: DraftConfig, batch: int, slots: int, dtype=jnp.float32,
+                     draft_window: int | None = None) -> KVCache:
+    shapes = [(batch, config.num_key_value_heads, n, config.head_dim)
+              for n in context_cache_sizes(config, slots, draft_window)]
+    return KVCache(tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes),
+                   jnp.zeros((batch,), jnp.int32))
 
 
 def shared_head(target_params: dict, tied: bool) -> SharedHead:
