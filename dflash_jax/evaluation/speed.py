@@ -219,6 +219,7 @@ class SpeedSettings:
     cache_slots: int | None = None  # component timings only: preallocate at least this many cache slots
     adaptive_widths: tuple[int, ...] = ()  # also decode end to end with these adaptive widths (oracle and draft)
     attention: str = "auto"  # the attention kernel (DecodeSettings.attention)
+    draft_window: int | None = None  # DraftModel.draft_window: the draft's context bound (None: its own layers')
 
     def validate(self) -> None:
         checks = [
@@ -278,7 +279,7 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
     key = jax.random.PRNGKey(s.seed)
 
     # Caches filled by real prefills, with the slot counts generate() uses for each mode.
-    prop = DFlashProposer(dc, block, dtype)
+    prop = DFlashProposer(dc, block, dtype, s.draft_window)
     # cache_slots > what the run needs shows that a round's cost follows the live length, not the slots.
     extra_slots = s.cache_slots or 0
     slots = max(cache_slots(s.context, s.new_tokens, block, tc.max_position_embeddings), extra_slots)
@@ -405,7 +406,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
     """The whole benchmark; returns a JSON-ready report (see :func:`format_report`). With ``mesh`` the
     params are placed by the sharding rules and every end-to-end decode runs sharded over it."""
     s.validate()
-    DFlashProposer(dc, s.block_size, s.dtype)  # validates the block size against the draft
+    DFlashProposer(dc, s.block_size, s.dtype, s.draft_window)  # validates the block size against the draft
     prompts = random_prompts(tc.vocab_size, s.batch, s.context, s.seed)
     if mesh is not None:
         from dflash_jax import sharding
@@ -429,7 +430,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
     reference, errors = plant_errors(prompts, reference_tokens, s.tau, s.block_size, width)
     oracle = OracleProposer(s.block_size, tc.vocab_size)
     ostate = oracle.init(jnp.asarray(reference), jnp.asarray(errors))
-    prop = DFlashProposer(dc, s.block_size, s.dtype)
+    prop = DFlashProposer(dc, s.block_size, s.dtype, s.draft_window)
     pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), s.batch, width)
     modes = {
         "autoregressive": run_ar,
@@ -475,6 +476,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
                      "new_tokens": s.new_tokens, "tau": s.tau, "repeats": s.repeats,
                      "e2e_repeats": s.e2e_repeats, "seed": s.seed, "dtype": jnp.dtype(s.dtype).name,
                      "adaptive_widths": list(s.adaptive_widths), "attention": s.attention,
+                     "draft_window": s.draft_window,
                      "attention_kernel": resolve_kernel(s.attention, s.dtype),
                      "mesh": None if mesh is None else dict(zip(mesh.axis_names, map(int, mesh.devices.shape)))},
         "models": {
@@ -515,7 +517,8 @@ def format_report(r: dict, title: str = "") -> str:
         f"({m['target']['params'] / 1e6:.1f}M params); draft {m['draft']['layers']} layers "
         f"({m['draft']['params'] / 1e6:.1f}M params, features of target layers {m['draft']['feature_layers']})",
         f"{s['dtype']}, batch {s['batch']}, block {block}, context {s['context']}, {s['new_tokens']} new tokens, "
-        f"tau {tau}, attention {s.get('attention_kernel', 'loop')}; JAX {mach['jax']} on {mach['backend']} "
+        f"tau {tau}, attention {s.get('attention_kernel', 'loop')}"
+        f"{'' if s.get('draft_window') is None else ', draft window ' + str(s['draft_window'])}; JAX {mach['jax']} on {mach['backend']} "
         f"({mach['device']}; {mach['machine']}, {mach['cpu_count']} CPUs; load average {mach['load_avg_1m']} at "
         f"start, {r.get('load_avg_1m_end')} at end)",
         "",
