@@ -77,8 +77,8 @@ class ShapePreset:
 
 SHAPE_PRESETS = {
     "tiny": ShapePreset(64, 2, 4, 2, 16, 128, 256, 1,
-                        "hidden 64, 2 layers, vocab 256; draft 1 layer reading both target layers (quick)",
-                        feature_layers=(0, 1)),
+                        "hidden 64, 2 layers, vocab 256; draft 1 layer reading target layer 0 (quick)",
+                        feature_layers=(0,)),
     "small": ShapePreset(512, 8, 8, 4, 64, 1536, 32000, 2,
                          "hidden 512, 8 layers, 8/4 heads of 64, MLP 1536, vocab 32000; draft 2 layers"),
 }
@@ -122,7 +122,8 @@ def preset_configs(name: str, block_size: int | None = None,
         raise UserError(f"draft_layers must be at least 1, got {layers}")
     ids = p.feature_layers if draft_layers is None else None
     if ids is None and len(set(default_target_layer_ids(p.num_hidden_layers, layers))) < layers:
-        ids = tuple(int(i) for i in np.linspace(0, p.num_hidden_layers - 1, layers).round())
+        # Spread over all but the last layer (a draft reading the last one is not servable: SPEC section 3).
+        ids = tuple(int(i) for i in np.linspace(0, p.num_hidden_layers - 2, layers).round())
     draft = DraftConfig.for_target(target, num_layers=layers, block_size=max(2, block_size or 16),
                                    target_layer_ids=ids)
     return target, draft
