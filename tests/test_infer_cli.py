@@ -91,11 +91,51 @@ def test_help_explains_flags(capsys):
 def test_demo_with_the_shipped_pair_runs_offline(tmp_path):
     """The README's first command, from a folder with no ../shared beside it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "infer", "demo", "--max-new-tokens", "64", "--repeats", "1"],
+    proc = subprocess.run([sys.executable, "-m", "infer", "demo", "--max-new-tokens", "64", "--repeats", "2"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "identical to the baseline: True" in proc.stdout
-    assert "tau" in proc.stdout and "speedup" in proc.stdout
+    assert "tau     :" in proc.stdout and "median of 2 interleaved pairs" in proc.stdout
+    assert "AR steps here" in proc.stdout and "a GPU at batch 1" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--repeats", "two"], "--repeats"),
+    (["--block-size", "1"], "--block-size must be at least 2"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+])
+def test_demo_bad_values_are_one_clear_error(capsys, argv, message):
+    assert main(["demo"] + argv) == 2  # refused before anything loads
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+
+
+def test_demo_help_explains_every_flag(capsys):
+    assert main(["demo", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--prompt", "--max-new-tokens", "--block-size", "--repeats", "interleaved", "round cost"):
+        assert flag in out
+
+
+def test_demo_figures_median_pair_and_round_cost():
+    """The speedup is an actual pair's ratio (the lower median), and that pair's round cost explains it
+    exactly: speedup = tau / round cost when both decode the same tokens."""
+    from types import SimpleNamespace as R
+
+    from infer.demo import format_figures, pair_figures
+
+    decoded, rounds = 199, 50  # tau = 199 / 50
+    times = [(0.030, 0.045), (0.040, 0.044), (0.031, 0.041), (0.033, 0.047)]  # ratios 1.5, 1.1, 1.32, 1.42
+    pairs = [(R(decode_s=d, rounds=[rounds]), R(decode_s=b, rounds=[decoded])) for d, b in times]
+    f = pair_figures(pairs)
+    assert f["speedup"] == pytest.approx(0.041 / 0.031)  # the lower of the middle two
+    assert decoded / rounds / f["round_cost"] == pytest.approx(f["speedup"])
+    assert f["q1"] < f["speedup"] < f["q3"]
+    text = format_figures(f, decoded / rounds, decoded, 8)
+    assert "1.32x" in text and "median of 4 interleaved pairs" in text and "all 1.10-1.50x" in text
+    assert f"= {f['speedup']:.2f}x" in text and "~4.0x" in text and len(text.splitlines()) == 4
 
 
 def test_generate_without_target_uses_the_shipped_pair(capsys):

@@ -9,14 +9,14 @@ from dflash_jax.evaluation.speed import plant_errors
 from infer.speed import main
 
 TAU, BLOCK, NEW, BATCH = 3, 4, 12, 2
-COMPONENTS = ("ar_step", "verify", "draft", "round", "ar_round")
+COMPONENTS = ("ar_step", "verify", "draft", "round", "ar_round", "draft_window", "round_window")
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("speed") / "speed.json"
     rc = main(["--preset", "tiny", "--batch", str(BATCH), "--block-size", str(BLOCK), "--context", "8",
-               "--new-tokens", str(NEW), "--tau", str(TAU), "--repeats", "2", "--adaptive", "1,2",
+               "--new-tokens", str(NEW), "--tau", str(TAU), "--repeats", "2", "--adaptive", "1,2", "--draft-window", "4",
                "--json", str(path)])
     assert rc == 0
     return json.loads(path.read_text())

@@ -280,13 +280,17 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
     key = jax.random.PRNGKey(s.seed)
 
     # Caches filled by real prefills, with the slot counts generate() uses for each mode.
-    prop = DFlashProposer(dc, block, dtype, s.draft_window)
     # cache_slots > what the run needs shows that a round's cost follows the live length, not the slots.
     extra_slots = s.cache_slots or 0
     slots = max(cache_slots(s.context, s.new_tokens, block, tc.max_position_embeddings), extra_slots)
-    consts, pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), b, slots)
-    pre, _ = jitted_functions(tc, prop, settings, slots, dtype)
-    state0 = jax.block_until_ready(pre(tp, consts, pstate, tokens, lengths, key))
+
+    def prefilled(window):
+        prop = DFlashProposer(dc, block, dtype, window)
+        consts, pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), b, slots)
+        pre, _ = jitted_functions(tc, prop, settings, slots, dtype)
+        return prop, consts, jax.block_until_ready(pre(tp, consts, pstate, tokens, lengths, key))
+
+    prop, consts, state0 = prefilled(None)  # the draft's own layers; with a draft window also timed bounded
     ar_prop = NoProposer()
     ar_slots = max(cache_slots(s.context, s.new_tokens, 1, tc.max_position_embeddings), extra_slots)
     ar_pre, _ = jitted_functions(tc, ar_prop, settings, ar_slots, dtype)
@@ -315,17 +319,25 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
     ctx = (features, start[:, None] - block + jnp.arange(block, dtype=jnp.int32)[None], jnp.ones((b, block), bool))
     draft_key = jax.random.PRNGKey(s.seed + 1)
 
-    def draft(draft_consts, ctx_, anchor, st, pstate_):
-        drafts, _, new = prop.propose(draft_consts, pstate_, ctx_, anchor, st, draft_key, SamplingConfig())
-        return drafts, new
+    def draft_of(prop):
+        def draft(draft_consts, ctx_, anchor, st, pstate_):
+            drafts, _, new = prop.propose(draft_consts, pstate_, ctx_, anchor, st, draft_key, SamplingConfig())
+            return drafts, new
 
-    benches.append(Bench("draft", draft, (consts, ctx, state0.anchor, start), (state0.proposer,)))
+        return draft
 
     # A whole round (the first after prefill); params and draft constants are not donated.
-    def dflash_round(params, draft_consts, state):
-        return decode_round(tc, prop, settings, params, draft_consts, state, dtype=dtype)
+    def round_of(prop):
+        return lambda params, draft_consts, state: decode_round(tc, prop, settings, params, draft_consts, state,
+                                                                dtype=dtype)
 
-    benches.append(Bench("round", dflash_round, (tp, consts), (state0,)))
+    benches.append(Bench("draft", draft_of(prop), (consts, ctx, state0.anchor, start), (state0.proposer,)))
+    benches.append(Bench("round", round_of(prop), (tp, consts), (state0,)))
+    if s.draft_window is not None:  # the same with the draft's context bounded, timed in the same rounds
+        prop_w, consts_w, state_w = prefilled(s.draft_window)
+        benches.append(Bench("draft_window", draft_of(prop_w), (consts_w, ctx, state_w.anchor, start),
+                             (state_w.proposer,)))
+        benches.append(Bench("round_window", round_of(prop_w), (tp, consts_w), (state_w,)))
 
     def ar_round(params, state):
         return decode_round(tc, ar_prop, settings, params, {}, state, dtype=dtype)
@@ -536,6 +548,15 @@ def format_report(r: dict, title: str = "") -> str:
         lines.append(f"  {label:60s} {t[key]['median_ms']:9.3f}  {t[key]['min_ms']:9.3f}  "
                      f"{t[key]['median_ms'] / ar:9.2f}")
     lines.append(f"  {'round - verify - draft (engine overhead)':60s} {r['ratios']['round_overhead_ms']:9.3f}")
+    if "draft_window" in t:
+        for key in ("draft_window", "round_window"):
+            label = f"{key.split('_')[0]:9s} with --draft-window {s['draft_window']}"
+            lines.append(f"  {label:60s} {t[key]['median_ms']:9.3f}  {t[key]['min_ms']:9.3f}  "
+                         f"{t[key]['median_ms'] / ar:9.2f}")
+        lines.append(f"  --draft-window {s['draft_window']}, same runs: draft "
+                     f"{t['draft_window']['median_ms'] / t['draft']['median_ms']:.2f}x and round "
+                     f"{t['round_window']['median_ms'] / t['round']['median_ms']:.2f}x the time of the unbounded "
+                     "draft's (the end-to-end decodes below use the window)")
     lines += [
         "",
         "End to end (engine.generate.generate, decode only; speedup = AR decode s / decode s, same tokens)",
