@@ -227,7 +227,7 @@ class DraftModel(nn.Module):
 
         ``ctx_features [B, Tc, n*H]`` are the raw target features of the newly verified positions
         ``ctx_positions [B, Tc]`` (``ctx_valid`` marks real ones); their keys/values are written into
-        ``cache`` at slot = position. The block ``[B, T]`` at ``block_positions`` then attends to every
+        ``cache`` (``write_context``). The block ``[B, T]`` at ``block_positions`` then attends to every
         cached context slot before its anchor plus the block (each layer's rule: ``block_mask``), of which
         only the first ``block_len [B]`` tokens exist (default: all).
         """
