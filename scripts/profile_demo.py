@@ -196,7 +196,7 @@ def hlo_op_names(hlo: str) -> dict[str, tuple[str, list[str]]]:
     # Fusions without any op_name (the attention products): named after what they read.
     for name, (shape, ops, operands) in out.items():
         if not ops:
-            ops.extend(o for x in operands if x in out for o in out[x][1])
+            ops.extend("reads " + o for x in operands if x in out for o in out[x][1] if not o.startswith("reads "))
     return {name: (shape, ops) for name, (shape, ops, _) in out.items()}
 
 
@@ -228,7 +228,8 @@ def trace_table(loop: Loop, trace_dir: str, runs: int = 5, top: int = 25) -> str
     for name, ns in total.items():
         shape, ops = names.get(name, ("?", []))
         groups[group(ops)] += ns
-        label = sorted({o.replace("jit(wrapped)/while/body/", "") for o in ops})
+        label = sorted({o.replace("jit(wrapped)/while/body/", "") for o in ops},
+                       key=lambda o: (o.startswith("reads "), o))
         rows.append((ns, name, shape, group(ops), label[0] if label else "(no op_name)"))
     rows.sort(reverse=True)
     all_ns = sum(total.values())
@@ -300,8 +301,15 @@ def main(argv=None) -> int:
     print(f"JAX {machine['jax']} on {machine['backend']} ({machine['cpu']}, {machine['cpu_count']} CPUs), float32; "
           f"load average {machine['load_avg_1m']} at start, {load_average()} at end; tau {recorded.tau:.2f}, "
           f"{recorded.rounds[0]} rounds; medians of {args.repeats} interleaved runs")
+    # Ratios within a cycle (runs a few tens of ms apart) drift less than separate medians: the columns
+    # "vs round" and "vs AR" are medians of per-cycle ratios to the DFlash round and to the AR step.
+    def paired(name, ref):
+        return statistics.median(a / b for a, b in zip(times[name], times[ref]))
+
+    print(f"  {'':44s} {'median':>7s}    {'min':>6s}    {'vs round':>8s} {'vs AR':>6s}")
     for name in times:
-        print(f"  {name:44s} {med[name]:7.1f} us (min {low[name]:6.1f})  {med[name] / ar:5.2f} AR steps")
+        print(f"  {name:44s} {med[name]:7.1f} us {low[name]:6.1f} us  {paired(name, 'DFlash round'):8.3f} "
+              f"{paired(name, 'AR step (baseline)'):6.2f}")
     replayed = med["  drafts replayed (no draft forward)"]
     verify = med["verify alone (target, 8 tokens + features)"]
     draft, book = rd - replayed, replayed - verify
@@ -309,11 +317,12 @@ def main(argv=None) -> int:
     print(f"round {rd:.0f} us = draft forward {draft:.0f} us ({draft / rd:.0%}) + verify {verify:.0f} us "
           f"({verify / rd:.0%}) + accept/commit bookkeeping {book:.0f} us ({book / rd:.0%}); the target features "
           f"{features:.0f} us of it")
-    print(f"round cost {rd / ar:.2f} AR steps -> speedup tau / cost = {recorded.tau / (rd / ar):.2f}x")
+    cost = paired("DFlash round", "AR step (baseline)")
+    print(f"round cost {cost:.2f} AR steps (median per-cycle ratio) -> speedup tau / cost = {recorded.tau / cost:.2f}x")
     if args.prototypes:
-        both, ar_t = med["proto: both"], med["proto: AR step, pre-transposed head"]
-        print(f"with both prototypes: round {both:.0f} us, AR step (pre-transposed head) {ar_t:.0f} us -> "
-              f"{both / ar_t:.2f} AR steps, tau / cost = {recorded.tau / (both / ar_t):.2f}x")
+        both = paired("proto: both", "proto: AR step, pre-transposed head")
+        print(f"with both prototypes: {both:.2f} AR steps (against the AR step with the pre-transposed head), "
+              f"tau / cost = {recorded.tau / both:.2f}x")
     if args.trace:
         print(trace_table(dflash, args.trace))
     return 0
