@@ -14,6 +14,16 @@ VARIANTS = {
     "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, tie_word_embeddings=True)),
     "qwen3_untied": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=False)),
     "qwen2_bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False)),
+    # Layer 1 dense (mlp_only_layers), layers 0 and 2 routed; renormalised top-2 of 4 experts.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])),
+    # A window shorter than the prompts, sinks, biases, YaRN (gpt-oss-20b's rope settings).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=16, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+        sliding_window=6, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})),
 }
 
 
@@ -32,6 +42,8 @@ def make_hf_target(variant: str, out_dir: Path, seed: int = 0, **overrides):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("sinks"):  # large enough to take a real share of each softmax
+                p.copy_(1.0 + torch.randn_like(p))
             else:
                 p.copy_(0.15 * torch.randn_like(p))
     model.save_pretrained(out_dir)

@@ -2,7 +2,11 @@
 
 Tolerances (fp32, CPU): logits and every layer's feature within 1e-4 absolute of transformers' own
 ``output_hidden_states`` (``hidden_states[i + 1]`` for layer ``i``, the last one after the final norm); cached
-extension vs one full forward within 1e-5; greedy continuations identical token for token.
+extension vs one full forward within 1e-5 absolute plus 1e-5 relative (gpt-oss's features reach ~3 after
+three expert layers; the online softmax over cache chunks rounds differently from one joint softmax);
+greedy continuations identical token for token. Families: LLaMA-3 (llama3 rope), Qwen3 tied/untied, Qwen2,
+Qwen3-MoE (a dense layer among routed ones) and gpt-oss (sliding window shorter than the prompts, sinks,
+biases, YaRN).
 """
 
 import functools
@@ -93,8 +97,8 @@ def test_prefill_then_extension_equals_full_forward(pair):
         feats.append(out.features)
         cache = out.cache
     np.testing.assert_array_equal(np.asarray(cache.lengths), [t] * len(rows))
-    np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.concatenate(feats, 1), full.features, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.concatenate(feats, 1), full.features, atol=1e-5, rtol=1e-5)
 
 
 def test_greedy_continuation_matches_generate(pair):

@@ -9,9 +9,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.checkpoints.expert_layouts import expert_rule, export_expert_tensors, is_expert_param
 from dflash_jax.checkpoints.safetensors_io import (
     CheckpointError,
     SafetensorsDir,
+    flatten,
+    unflatten,
     load_params,
     param_path_to_key,
     params_to_tensors,
@@ -37,7 +40,8 @@ def target_key_of(prefix: str):
 
 def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False,
                 place=None) -> tuple[TargetConfig, dict]:
-    """Load a Hugging Face LLaMA/Qwen2/Qwen3 directory into ``(config, params)``.
+    """Load a Hugging Face target directory (any family of ``models/config.FAMILIES``) into
+    ``(config, params)``; expert weights in any stored layout (``expert_layouts``).
 
     Keys may carry the ``model.`` prefix (``*ForCausalLM`` checkpoints) or not (bare ``*Model``).
     ``place(path, host_array)`` puts each tensor on the devices (see ``safetensors_io.load_params``).
@@ -50,7 +54,14 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
     source = SafetensorsDir(path)
     prefix = "model." if any(k.startswith("model.") for k in source.keys()) else ""
     abstract = abstract_target_params(config, dtype)
-    params = load_params(source, abstract, target_key_of(prefix), dtype=dtype, progress=progress, place=place)
+    mirror = target_key_of(prefix)
+
+    def key_of(param_path):
+        if is_expert_param(param_path):
+            return expert_rule(config, source, prefix, param_path)
+        return mirror(param_path)
+
+    params = load_params(source, abstract, key_of, dtype=dtype, progress=progress, place=place)
     return config, params
 
 
@@ -59,7 +70,13 @@ def save_target(config: TargetConfig, params: dict, out_dir: str | Path, dtype: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(dtype) if dtype is not None else None
-    tensors = params_to_tensors(params, target_key_of("model."), dtype=dtype)
+    experts = {path: leaf for path, leaf in flatten(params).items() if is_expert_param(path)}
+    tensors = params_to_tensors(unflatten({path: leaf for path, leaf in flatten(params).items()
+                                           if path not in experts}), target_key_of("model."), dtype=dtype)
+    for layer in sorted({path[0] for path in experts}):
+        layer_params = {path[-1]: leaf for path, leaf in experts.items() if path[0] == layer}
+        exported = export_expert_tensors(config, layer_params, "model.", int(layer.split("_")[1]))
+        tensors.update({k: v.astype(dtype) if dtype is not None else v for k, v in exported.items()})
     save_tensors(tensors, out_dir)
     cfg = config.to_hf_dict()
     any_leaf = next(iter(tensors.values()))

@@ -8,6 +8,7 @@ weights can execute code on load and are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -145,10 +146,37 @@ class SafetensorsDir:
         return str(self._slice(key).get_dtype())
 
 
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """A parameter built from stored tensors by more than a transpose (stacked per-expert weights, a fused
+    gate/up split, MXFP4 blocks and scales decoded): ``build(arrays) -> param`` from ``keys`` in order, each
+    with its expected stored ``shapes`` (checked from the header before any data is read) and dtype class
+    (``"float"`` or ``"uint8"``). ``name`` is what an error calls the parameter."""
+
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    build: Callable[[list[np.ndarray]], np.ndarray]
+    dtypes: tuple[str, ...] = ()  # per key; empty = all "float"
+    name: str = ""
+
+
+def _check_stored(source: "SafetensorsDir", key: str, want: tuple[int, ...], kind: str) -> None:
+    stored_shape = source.shape(key)
+    if stored_shape != tuple(want):
+        raise CheckpointError(
+            f"{source.file_of(key)}: tensor {key!r} has shape {list(stored_shape)}, expected {list(want)}")
+    stored_dtype = source.dtype_name(key)
+    allowed = FLOAT_DTYPES if kind == "float" else ("U8",)
+    if stored_dtype not in allowed:  # casting integers or booleans would make a silently wrong model
+        what = "weights must be floating point" if kind == "float" else "MXFP4 blocks and scales must be uint8"
+        raise CheckpointError(f"{source.file_of(key)}: tensor {key!r} is stored as {stored_dtype}; {what} "
+                              f"({', '.join(allowed)})")
+
+
 def load_params(
     source: SafetensorsDir,
     abstract_params: Mapping[str, Any],
-    key_of: Callable[[tuple[str, ...]], str],
+    key_of: Callable[[tuple[str, ...]], "str | Derived"],
     dtype: Any = None,
     progress: bool = False,
     place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None,
@@ -167,6 +195,19 @@ def load_params(
     for path, leaf in tqdm(flat.items(), desc=f"loading {source.path.name}", disable=not progress, unit="tensor",
                            delay=2.0):
         key = key_of(path)
+        if isinstance(key, Derived):
+            absent = [k for k in key.keys if k not in source.key_to_file]
+            if absent:
+                missing.extend(absent)
+                continue
+            for k, shape, kind in zip(key.keys, key.shapes, key.dtypes or ("float",) * len(key.keys)):
+                _check_stored(source, k, shape, kind)
+            arr = np.asarray(key.build([source.get(k) for k in key.keys]))
+            if arr.shape != tuple(leaf.shape):  # a rule's own mistake, not the checkpoint's
+                raise AssertionError(f"{key.name or key.keys[0]}: built {arr.shape}, expected {tuple(leaf.shape)}")
+            arr = arr.astype(dtype or arr.dtype, copy=False)
+            out[path] = place(path, arr) if place is not None else jax.numpy.asarray(arr)
+            continue
         _, transpose = param_path_to_key(path)
         if key not in source.key_to_file:
             missing.append(key)

@@ -1,8 +1,11 @@
 """Target model configuration, parsed from a Hugging Face ``config.json``.
 
-One decoder implementation covers LLaMA-2/3.x, Qwen2/2.5 and Qwen3; the differences are the flags of
-:class:`TargetConfig`. Anything this implementation does not compute exactly is refused with an error that
-names the file and the field, because a silently different model would break losslessness downstream.
+One decoder implementation covers LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE and gpt-oss. A family is a small
+set of differences from the dense decoder: attention flags, a per-layer plan (which layers route through
+experts, which attend through a sliding window) and an :class:`ExpertsConfig`. Each family's reader below
+(``FAMILIES``) turns its Hugging Face fields into those differences. Anything this implementation does not
+compute exactly is refused with an error that names the file and the field, because a silently different
+model would break losslessness downstream.
 """
 
 from __future__ import annotations
@@ -15,8 +18,7 @@ from typing import Any, Mapping
 
 from dflash_jax.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class ConfigError(UserError):
@@ -33,6 +35,11 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (gpt-oss): ramp between interpolated and original frequencies, and a cos/sin multiplier.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 def parse_rope(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
@@ -56,7 +63,7 @@ def parse_rope(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
     theta = float_field(merged, "rope_theta", source, 10000.0, positive=True)
     kw: dict[str, Any] = {"theta": theta, "rope_type": rope_type}
     where = f"{source} (rope scaling)"
-    if rope_type in ("linear", "llama3"):
+    if rope_type in ("linear", "llama3", "yarn"):
         kw["factor"] = float_field(merged, "factor", where, positive=True)
     if rope_type == "llama3":
         kw["low_freq_factor"] = float_field(merged, "low_freq_factor", where, positive=True)
@@ -65,6 +72,17 @@ def parse_rope(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
             raise ConfigError(f"{where}: high_freq_factor ({kw['high_freq_factor']}) must exceed low_freq_factor "
                               f"({kw['low_freq_factor']})")
         kw["original_max_position_embeddings"] = int_field(merged, "original_max_position_embeddings", where)
+    if rope_type == "yarn":
+        kw["original_max_position_embeddings"] = int_field(merged, "original_max_position_embeddings", where)
+        kw["beta_fast"] = float_field(merged, "beta_fast", where, 32.0, positive=True) or 32.0
+        kw["beta_slow"] = float_field(merged, "beta_slow", where, 1.0, positive=True) or 1.0
+        kw["truncate"] = bool_field(merged, "truncate", where, True)
+        if _present(merged, "mscale") or _present(merged, "mscale_all_dim"):
+            raise ConfigError(f"{where}: YaRN mscale/mscale_all_dim are not supported")
+        factor = kw["factor"]
+        # transformers: 0.1 * ln(factor) + 1 unless given (no scaling at factor <= 1)
+        default_af = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        kw["attention_factor"] = float_field(merged, "attention_factor", where, default_af, positive=True)
     return RopeConfig(**kw)
 
 
@@ -79,6 +97,16 @@ def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
             "factor": rope.factor,
             "low_freq_factor": rope.low_freq_factor,
             "high_freq_factor": rope.high_freq_factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+        }
+    elif rope.rope_type == "yarn":
+        out["rope_scaling"] = {
+            "rope_type": "yarn",
+            "factor": rope.factor,
+            "beta_fast": rope.beta_fast,
+            "beta_slow": rope.beta_slow,
+            "truncate": rope.truncate,
+            "attention_factor": rope.attention_factor,
             "original_max_position_embeddings": rope.original_max_position_embeddings,
         }
     return out
@@ -201,13 +229,32 @@ def attention_shape(cfg: Mapping[str, Any], source: str) -> tuple[int, int, int,
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertsConfig:
+    """A mixture-of-experts FFN: the router, the experts' shape and their activation."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    # "softmax_topk": Qwen3-MoE (softmax over all experts in float32, then top-k, renormalised when
+    # ``norm_topk_prob``); "topk_softmax": gpt-oss (top-k of the raw logits, softmax over those k).
+    routing: str = "softmax_topk"
+    norm_topk_prob: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    # "silu": SwiGLU ``down(silu(gate) * up)``; "clamped_swiglu": gpt-oss's ``(clip(up) + 1) * glu(min(gate))``.
+    activation: str = "silu"
+    swiglu_limit: float = 7.0
+    shared_intermediate_size: int = 0  # a shared expert scaled by sigmoid(shared_expert_gate(x)); 0 = none
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """Everything the target decoder needs; hashable so it can be a static argument of ``jax.jit``."""
 
     model_type: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # of the dense MLP layers (unused when every layer routes through experts)
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -222,35 +269,40 @@ class TargetConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # The per-layer plan. ``experts``: the FFN of the layers listed in ``expert_layers`` (others are dense).
+    experts: ExpertsConfig | None = None
+    expert_layers: tuple[int, ...] = ()
+    # ``layer_windows[i]``: layer i's keys are visible iff ``0 <= q_pos - k_pos < window``; None = full
+    # causal. Empty = every layer full.
+    layer_windows: tuple[int | None, ...] = ()
+    attention_sinks: bool = False  # gpt-oss: one learned logit per head joins every softmax's denominator
+    norm_weight_in_float32: bool = False  # gpt-oss multiplies the RMSNorm weight before casting back
+
+    def is_expert_layer(self, i: int) -> bool:
+        return i in self.expert_layers
+
+    def window(self, i: int) -> int | None:
+        return self.layer_windows[i] if self.layer_windows else None
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "config") -> "TargetConfig":
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in FAMILIES:
             raise ConfigError(
                 f"{source}: model_type {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"(supported: {', '.join(FAMILIES)})"
             )
-        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-        if act != "silu":
-            raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
-        if bool_field(cfg, "use_sliding_window", source, False):
-            raise ConfigError(f"{source}: use_sliding_window=true is not supported for target models")
-        if model_type == "mistral" and cfg.get("sliding_window") is not None:
-            # Mistral applies its window whenever the field is set (Qwen gate it behind use_sliding_window).
-            raise ConfigError(f"{source}: Mistral sliding_window={cfg['sliding_window']} is not supported "
-                              "(set it to null only if the model was trained without a window)")
+        read_family = FAMILIES[model_type]
         if int_field(cfg, "pretraining_tp", source, 1) != 1:
             raise ConfigError(f"{source}: pretraining_tp != 1 is not supported")
         hidden, heads, kv_heads, head_dim = attention_shape(cfg, source)
         vocab = require(cfg, "vocab_size", source)
-        attention_bias = bool_field(cfg, "attention_bias", source, False)
-        return cls(
+        num_layers = int_field(cfg, "num_hidden_layers", source, maximum=MAX_LAYERS)
+        base = dict(
             model_type=model_type,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=require(cfg, "intermediate_size", source),
-            num_hidden_layers=int_field(cfg, "num_hidden_layers", source, maximum=MAX_LAYERS),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -259,14 +311,11 @@ class TargetConfig:
             max_position_embeddings=require(cfg, "max_position_embeddings", source)
             if "max_position_embeddings" in cfg else 4096,
             tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", source, False),
-            # Qwen2 always has q/k/v bias and no o bias; LLaMA/Qwen3 use attention_bias for all four.
-            qkv_bias=True if model_type == "qwen2" else attention_bias,
-            o_bias=False if model_type == "qwen2" else attention_bias,
-            mlp_bias=bool_field(cfg, "mlp_bias", source, False),
-            qk_norm=model_type == "qwen3",
             bos_token_id=int_field(cfg, "bos_token_id", source, None, minimum=0, maximum=vocab - 1),
             eos_token_ids=token_ids_field(cfg, "eos_token_id", source, vocab),
         )
+        base.update(read_family(cfg, source, num_layers))
+        return cls(**base)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "TargetConfig":
@@ -275,10 +324,8 @@ class TargetConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A Hugging Face ``config.json`` dict for this model (4.x rope layout, readable by 4.x and 5.x)."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                "mistral": "MistralForCausalLM"}[self.model_type]
         out: dict[str, Any] = {
-            "architectures": [arch],
+            "architectures": [ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -298,5 +345,128 @@ class TargetConfig:
             out["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
+        e = self.experts
+        if self.model_type == "qwen3_moe":
+            out.update(num_experts=e.num_experts, num_experts_per_tok=e.top_k,
+                       moe_intermediate_size=e.intermediate_size, norm_topk_prob=e.norm_topk_prob,
+                       decoder_sparse_step=1,
+                       mlp_only_layers=[i for i in range(self.num_hidden_layers) if i not in self.expert_layers])
+        if self.model_type == "gpt_oss":
+            out.update(num_local_experts=e.num_experts, num_experts_per_tok=e.top_k,
+                       intermediate_size=e.intermediate_size, swiglu_limit=e.swiglu_limit,
+                       layer_types=["full_attention" if w is None else "sliding_attention"
+                                    for w in self.layer_windows],
+                       sliding_window=next((w for w in self.layer_windows if w is not None), None))
         out.update(rope_to_hf(self.rope))
         return out
+
+
+# ---- The families: each reads its Hugging Face fields into the differences from the dense decoder. ----
+
+def _check_silu(cfg: Mapping[str, Any], source: str) -> None:
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+
+
+def _no_sliding_window(cfg: Mapping[str, Any], source: str) -> None:
+    if bool_field(cfg, "use_sliding_window", source, False):
+        raise ConfigError(f"{source}: use_sliding_window=true is not supported for target models")
+
+
+def _dense_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """LLaMA, Mistral, Qwen2 and Qwen3."""
+    model_type = cfg["model_type"]
+    _check_silu(cfg, source)
+    _no_sliding_window(cfg, source)
+    if model_type == "mistral" and cfg.get("sliding_window") is not None:
+        # Mistral applies its window whenever the field is set (Qwen gate it behind use_sliding_window).
+        raise ConfigError(f"{source}: Mistral sliding_window={cfg['sliding_window']} is not supported "
+                          "(set it to null only if the model was trained without a window)")
+    attention_bias = bool_field(cfg, "attention_bias", source, False)
+    return dict(
+        intermediate_size=require(cfg, "intermediate_size", source),
+        # Qwen2 always has q/k/v bias and no o bias; LLaMA/Qwen3 use attention_bias for all four.
+        qkv_bias=True if model_type == "qwen2" else attention_bias,
+        o_bias=False if model_type == "qwen2" else attention_bias,
+        mlp_bias=bool_field(cfg, "mlp_bias", source, False),
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def _num_experts(cfg: Mapping[str, Any], source: str) -> int:
+    # transformers 5.x writes ``num_local_experts``; released Qwen3-MoE checkpoints say ``num_experts``.
+    key = "num_experts" if _present(cfg, "num_experts") else "num_local_experts"
+    return int_field(cfg, key, source)
+
+
+def _top_k(cfg: Mapping[str, Any], source: str, num_experts: int) -> int:
+    return int_field(cfg, "num_experts_per_tok", source, maximum=num_experts)
+
+
+def _qwen3_moe_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B): Qwen3 attention; layer i routes through experts iff
+    it is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``."""
+    _check_silu(cfg, source)
+    _no_sliding_window(cfg, source)
+    num_experts = _num_experts(cfg, source)
+    step = int_field(cfg, "decoder_sparse_step", source, 1)
+    dense_only = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense_only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense_only):
+        raise ConfigError(f"{source}: field 'mlp_only_layers' must be a list of layer indices in "
+                          f"0..{num_layers - 1}, got {dense_only!r}")
+    expert_layers = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    attention_bias = bool_field(cfg, "attention_bias", source, False)
+    return dict(
+        # The dense layers' width; a config whose every layer is sparse may omit it.
+        intermediate_size=int_field(cfg, "intermediate_size", source,
+                                    _REQUIRED if len(expert_layers) < num_layers else 1),
+        qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True,
+        experts=ExpertsConfig(
+            num_experts=num_experts, top_k=_top_k(cfg, source, num_experts),
+            intermediate_size=require(cfg, "moe_intermediate_size", source),
+            routing="softmax_topk", norm_topk_prob=bool_field(cfg, "norm_topk_prob", source, False)),
+        expert_layers=expert_layers,
+    )
+
+
+def _gpt_oss_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """gpt-oss (20b, 120b): every layer routes through experts (top-k of biased logits, softmax over the k,
+    clamped SwiGLU with biases); attention with biases and sinks; ``layer_types`` alternate sliding and full
+    layers. Its ``hidden_act`` field says "silu" but the experts use the clamped form (not checked here)."""
+    num_experts = _num_experts(cfg, source)
+    window = int_field(cfg, "sliding_window", source, None)
+    types = cfg.get("layer_types")
+    if types is None:  # transformers' default: even layers slide
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"sliding_attention",
+                                                                                  "full_attention"}:
+        raise ConfigError(f"{source}: field 'layer_types' must list 'sliding_attention' or 'full_attention' for "
+                          f"each of the {num_layers} layers, got {types!r}")
+    if "sliding_attention" in types and window is None:
+        raise ConfigError(f"{source}: sliding_attention layers need a 'sliding_window'")
+    limit = float_field(cfg, "swiglu_limit", source, 7.0, positive=True)
+    return dict(
+        intermediate_size=require(cfg, "intermediate_size", source),
+        qkv_bias=True, o_bias=True,
+        experts=ExpertsConfig(
+            num_experts=num_experts, top_k=_top_k(cfg, source, num_experts),
+            intermediate_size=require(cfg, "intermediate_size", source),
+            routing="topk_softmax", router_bias=True, expert_bias=True, activation="clamped_swiglu",
+            swiglu_limit=limit),
+        expert_layers=tuple(range(num_layers)),
+        layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        attention_sinks=True,
+        norm_weight_in_float32=True,
+    )
+
+
+FAMILIES = {
+    "llama": _dense_family, "mistral": _dense_family, "qwen2": _dense_family, "qwen3": _dense_family,
+    "qwen3_moe": _qwen3_moe_family, "gpt_oss": _gpt_oss_family,
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "gpt_oss": "GptOssForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

@@ -24,17 +24,21 @@ Dtype = Any
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, exactly as HF LLaMA/Qwen do."""
+    """RMSNorm computed in float32 and cast back before the weight, exactly as HF LLaMA/Qwen do
+    (``weight_in_float32``: the weight multiplies before the cast, as gpt-oss does)."""
 
     eps: float = 1e-6
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    weight_in_float32: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.weight_in_float32:
+            return (weight.astype(jnp.float32) * x32).astype(self.dtype)
         return weight.astype(self.dtype) * x32.astype(self.dtype)
 
 
@@ -58,29 +62,65 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
+    elif rope.rope_type == "yarn":
+        inv = _yarn_inv_freq(rope, head_dim)
     return inv
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
+    """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context are interpolated
+    (divided by ``factor``), those turning more than ``beta_fast`` times are kept, with a linear ramp between
+    (arXiv 2309.00071; transformers' ``_compute_yarn_parameters``, whose float32 steps this follows).
+    ``truncate: false`` (gpt-oss) keeps the ramp's ends unrounded."""
+    base, orig = rope.theta, rope.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns ``rotations`` times
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    extrapolation, interpolation = np.float32(1.0) / pos_freqs, np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp).astype(np.float32)
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32)
+
+
+def rope_scale(rope: RopeConfig) -> float:
+    """The factor that multiplies cos and sin (YaRN's attention factor; 1 otherwise)."""
+    return rope.attention_factor if rope.rope_type == "yarn" else 1.0
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
     """Rotate ``x [B, T, heads, head_dim]`` at integer ``positions [B, T]`` (split-halves convention).
 
-    Angles are computed in float32 like HF (``inv_freq`` is float32 there), then cos/sin cast to x's dtype.
+    Angles are computed in float32 like HF (``inv_freq`` is float32 there), then cos/sin (times ``scale``,
+    in float32) cast to x's dtype.
     """
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
 
 
-def attention(q: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.Array]]) -> jax.Array:
+def attention(q: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.Array]],
+              sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query softmax attention over one or more key/value segments with a joint softmax.
 
     q ``[B, T, Hq, D]``; each segment is ``(k, v, mask)`` with k/v ``[B, Hkv, S, D]`` (the cache layout, so
     XLA's batched dot reads the cache in place instead of transposing a copy of it) and mask ``[B, T, S]``
     (True = visible). Passing the cached context and the transient block as two segments avoids
     concatenating (copying) the cache. Scores and softmax in float32; fully masked rows yield zeros.
+    ``sinks [Hq]`` (gpt-oss): one logit per query head joins every softmax and is dropped after it.
     """
     b, t, hq, d = q.shape
     hkv = segments[0][0].shape[1]
@@ -91,6 +131,9 @@ def attention(q: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.A
         m = jnp.broadcast_to(mask[:, None, None], (b, 1, hq // hkv) + mask.shape[1:]).reshape(b, 1, -1, mask.shape[-1])
         scores.append(jnp.where(m, s, jnp.finfo(jnp.float32).min))
         masks.append(m)
+    if sinks is not None:
+        scores.append(jnp.broadcast_to(group_sinks(sinks, hkv, t)[None, ..., None], (b, hkv, hq // hkv * t, 1)))
+        masks.append(jnp.ones((b, 1, hq // hkv * t, 1), bool))
     all_scores = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
     all_masks = jnp.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
     probs = jnp.where(all_masks, jax.nn.softmax(all_scores, axis=-1), 0.0)
@@ -105,6 +148,11 @@ def attention(q: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.A
     return out.astype(q.dtype)
 
 
+def group_sinks(sinks: jax.Array, hkv: int, t: int) -> jax.Array:
+    """Per-query-head sink logits ``[Hq]`` laid out like ``group_queries``' rows: ``[Hkv, G * T]``."""
+    return jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, -1), t, axis=1)
+
+
 KV_CHUNK = 256  # cache slots per step of the live-length attention loop
 
 
@@ -117,6 +165,8 @@ def cache_attention(
     extra: Sequence[tuple[jax.Array, jax.Array, jax.Array]] = (),
     chunk: int = KV_CHUNK,
     segments: Sequence[Segment] | None = None,
+    sinks: jax.Array | None = None,
+    first_slot: jax.Array | None = None,
 ) -> jax.Array:
     """Attention over a preallocated cache whose cost follows the LIVE length, not the number of slots.
 
@@ -132,6 +182,9 @@ def cache_attention(
     ``segments`` describe the SAME attention as length-bounded key segments (the cache prefix every query
     sees, then the block's own keys), the form fused kernels take. When the trace runs under a fused kernel
     (``attention_kernels.attention_kernel``) and the caller gives them, the kernel replaces the loop.
+    ``sinks [Hq]`` join every softmax's denominator (gpt-oss); the fused kernels cannot express them, so
+    callers pass no ``segments`` for such layers (or for windowed ones). ``first_slot`` (traced scalar, a
+    sliding layer's lowest visible slot) lets the loop skip the chunks before it.
     """
     kernel, fallback = active_kernel(q.dtype) if segments is not None else ("loop", False)
     if kernel != "loop":
@@ -176,9 +229,16 @@ def cache_attention(
     elif isinstance(live_slots, int):  # static (training): a fixed trip count, so the loop is differentiable
         carry = jax.lax.fori_loop(0, -(-min(live_slots, slots) // size), chunk_step, carry)
     else:
-        carry = jax.lax.fori_loop(0, (jnp.minimum(live_slots, slots) + size - 1) // size, chunk_step, carry)
+        lo = 0 if first_slot is None else jnp.clip(first_slot, 0, slots) // size
+        carry = jax.lax.fori_loop(lo, (jnp.minimum(live_slots, slots) + size - 1) // size, chunk_step, carry)
     for k, v, mask in extra:
         carry = update(carry, k, v, mask)
+    if sinks is not None:  # a key with this logit and no value: it only adds exp(sink) to the denominator
+        m, l, acc = carry
+        sink = group_sinks(sinks, hkv, t)[None]
+        m_new = jnp.maximum(m, sink)
+        scale = jnp.exp(m - m_new)
+        carry = (m_new, l * scale + jnp.exp(sink - m_new), acc * scale[..., None])
     _, l, acc = carry
     out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
     out = ungroup_queries(out, t)

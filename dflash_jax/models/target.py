@@ -1,4 +1,7 @@
-"""The target decoder: LLaMA-2/3.x, Qwen2/2.5 and Qwen3 as flags of one pure Flax module.
+"""The target decoder: LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE and gpt-oss as one pure Flax module.
+
+A family is a set of differences read from its config (``models/config.py``): attention flags (biases, q/k
+norms, sinks), each layer's window and each layer's FFN (a dense SwiGLU or ``models/experts.Experts``).
 
 ``TargetModel.apply({'params': p}, tokens, positions, cache=..., feature_layers=(...))`` runs prefill or a
 multi-token extension in one call and returns the logits, the requested layers' hidden features and the new
@@ -18,8 +21,9 @@ import jax.numpy as jnp
 from dflash_jax.models.attention_kernels import Segment
 from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
 from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.experts import Experts
 from dflash_jax.models.layers import (
-    MLP, RMSNorm, apply_rope, attention, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
+    MLP, RMSNorm, apply_rope, attention, cache_attention, rope_inv_freq, rope_scale, to_cache_layout, write_rows,
 )
 
 
@@ -32,6 +36,7 @@ class TargetOutput(NamedTuple):
 class TargetAttention(nn.Module):
     config: TargetConfig
     dtype: Any = jnp.float32
+    window: int | None = None  # keys visible iff 0 <= q_pos - k_pos < window
 
     @nn.compact
     def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None):
@@ -52,19 +57,34 @@ class TargetAttention(nn.Module):
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="k_norm")(k)
-        inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        inv_freq, scale = rope_inv_freq(cfg.rope, cfg.head_dim), rope_scale(cfg.rope)
+        q = apply_rope(q, positions, inv_freq, scale)
+        k = apply_rope(k, positions, inv_freq, scale)
+        sinks = self.param("sinks", nn.initializers.zeros, (cfg.num_attention_heads,), self.dtype) \
+            if cfg.attention_sinks else None
+        window = self.window
         if cache_kv is not None:
             k_all = write_rows(cache_kv[0], k, slots)
             v_all = write_rows(cache_kv[1], v, slots)
             new_kv = (k_all, v_all)
-            segments = [Segment(k_all, v_all, spans[0]),
-                        Segment(to_cache_layout(k), to_cache_layout(v), spans[1], causal=True)]
-            out = cache_attention(q, k_all, v_all, mask, live, segments=segments)
+            first_slot = None
+            if window is not None:
+                visible = mask
+
+                def mask(key_slot):  # noqa: F811 (the full-causal rule, narrowed to the window)
+                    return visible(key_slot) & (positions[:, :, None] - key_slot[None, None, :] < window)
+
+                first_slot = jnp.min(positions) - window + 1
+            # Fused kernels take key spans, which cannot say "window" or "sink": such layers use the loop.
+            segments = None if window is not None or sinks is not None else [
+                Segment(k_all, v_all, spans[0]), Segment(to_cache_layout(k), to_cache_layout(v), spans[1], causal=True)]
+            out = cache_attention(q, k_all, v_all, mask, live, segments=segments, sinks=sinks,
+                                  first_slot=first_slot)
         else:
             new_kv = None
-            out = attention(q, [(to_cache_layout(k), to_cache_layout(v), mask)])
+            if window is not None:
+                mask = mask & (positions[:, :, None] - positions[:, None, :] < window)
+            out = attention(q, [(to_cache_layout(k), to_cache_layout(v), mask)], sinks=sinks)
         out = dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out.reshape(b, t, -1))
         return out, new_kv
 
@@ -72,16 +92,22 @@ class TargetAttention(nn.Module):
 class DecoderLayer(nn.Module):
     config: TargetConfig
     dtype: Any = jnp.float32
+    index: int = 0
 
     @nn.compact
     def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None):
         cfg = self.config
-        h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="input_layernorm")(x)
-        attn, new_kv = TargetAttention(cfg, self.dtype, name="self_attn")(h, positions, mask, cache_kv, slots, live,
-                                                                          spans)
+        norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype,  # noqa: E731
+                                    cfg.norm_weight_in_float32, name=name)
+        h = norm("input_layernorm")(x)
+        attn, new_kv = TargetAttention(cfg, self.dtype, cfg.window(self.index), name="self_attn")(
+            h, positions, mask, cache_kv, slots, live, spans)
         x = x + attn
-        h = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="post_attention_layernorm")(x)
-        x = x + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.dtype, name="mlp")(h)
+        h = norm("post_attention_layernorm")(x)
+        if cfg.is_expert_layer(self.index):
+            x = x + Experts(cfg.experts, self.dtype, name="mlp")(h)
+        else:
+            x = x + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.dtype, name="mlp")(h)
         return x, new_kv
 
 
@@ -95,8 +121,8 @@ class TargetModel(nn.Module):
     def setup(self):
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
-        self.layers = [DecoderLayer(cfg, self.dtype) for _ in range(cfg.num_hidden_layers)]
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
+        self.layers = [DecoderLayer(cfg, self.dtype, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, cfg.norm_weight_in_float32)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
 

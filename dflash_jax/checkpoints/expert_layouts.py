@@ -1,0 +1,95 @@
+"""How checkpoints store expert weights, as rules from stored tensors to ``models/experts`` parameters.
+
+The experts' parameters are ``[E, in, out]`` stacks (``experts/{gate,up}_proj [E, H, I]``,
+``experts/down_proj [E, I, H]``, gpt-oss biases ``[E, I]``/``[E, H]``). Checkpoints hold them as:
+
+- per expert (released Qwen3-MoE, and what transformers writes): ``mlp.experts.{j}.gate_proj.weight [I, H]``
+  (PyTorch ``[out, in]``), one tensor per expert and projection;
+- fused, Qwen style (transformers' in-memory layout): ``mlp.experts.gate_up_proj [E, 2I, H]`` with the gate
+  rows first, ``mlp.experts.down_proj [E, H, I]``;
+- fused, gpt-oss style: ``mlp.experts.gate_up_proj [E, H, 2I]`` (``x @ W``) with gate and up INTERLEAVED
+  (gate = even columns), ``gate_up_proj_bias [E, 2I]`` likewise, ``down_proj [E, I, H]``, ``down_proj_bias``;
+- gpt-oss MXFP4 (released weights): ``gate_up_proj_blocks``/``_scales`` and ``down_proj_blocks``/``_scales``
+  (``models/mxfp4``), decoded here at load.
+
+Everything else of an expert layer (the router ``mlp.gate``/``mlp.router``, the shared expert) follows the
+default name mirror.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from dflash_jax.checkpoints.safetensors_io import CheckpointError, Derived, SafetensorsDir
+from dflash_jax.models import mxfp4
+from dflash_jax.models.config import TargetConfig
+
+EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_proj_bias", "up_proj_bias", "down_proj_bias")
+
+
+def is_expert_param(path: tuple[str, ...]) -> bool:
+    return len(path) >= 3 and path[-2] == "experts" and path[-1] in EXPERT_PARAMS
+
+
+def expert_rule(config: TargetConfig, source: SafetensorsDir, prefix: str,
+                path: tuple[str, ...]) -> Derived:
+    """The stored tensors and the transform that make the expert parameter at ``path``
+    (``('layers_3', 'mlp', 'experts', 'gate_proj')``), for whichever layout ``source`` holds."""
+    layer = int(path[0].split("_")[1])
+    base = f"{prefix}layers.{layer}.mlp.experts"
+    e, h, i = config.experts.num_experts, config.hidden_size, config.experts.intermediate_size
+    name, where = path[-1], f"{base} ({path[-1]})"
+    has = source.key_to_file.__contains__
+    if config.model_type == "gpt_oss":
+        return _gpt_oss_rule(base, name, e, h, i, has, where)
+    # Qwen style
+    if name.endswith("_bias"):
+        raise CheckpointError(f"{source.path}: {config.model_type} experts have no biases ({name})")
+    if has(f"{base}.gate_up_proj"):
+        if name == "down_proj":  # [E, H, I] ([out, in]) -> [E, I, H]
+            return Derived((f"{base}.down_proj",), ((e, h, i),), lambda a: a[0].transpose(0, 2, 1), name=where)
+        half = slice(0, i) if name == "gate_proj" else slice(i, 2 * i)
+        return Derived((f"{base}.gate_up_proj",), ((e, 2 * i, h),),
+                       lambda a: a[0][:, half, :].transpose(0, 2, 1), name=where)
+    stored = (i, h) if name != "down_proj" else (h, i)
+    keys = tuple(f"{base}.{j}.{name}.weight" for j in range(e))
+    return Derived(keys, (stored,) * e, lambda a: np.stack([w.T for w in a]), name=where)
+
+
+def _gpt_oss_rule(base: str, name: str, e: int, h: int, i: int, has: Callable[[str], bool], where: str) -> Derived:
+    fused = "down_proj" if name.startswith("down_proj") else "gate_up_proj"
+    columns = slice(None) if fused == "down_proj" else slice(0, None, 2) if name.startswith("gate") \
+        else slice(1, None, 2)
+    if name.endswith("_bias"):
+        width = h if fused == "down_proj" else 2 * i
+        return Derived((f"{base}.{fused}_bias",), ((e, width),), lambda a: a[0][:, columns], name=where)
+    in_f, out_f = (i, h) if fused == "down_proj" else (h, 2 * i)
+    blocks, scales = mxfp4.packed_key_names(f"{base}.{fused}")
+    if has(blocks) or has(scales):
+        shapes = mxfp4.packed_shapes(in_f, out_f, e)
+
+        def decode(a):
+            return mxfp4.dequantize(a[0], a[1], np.float32, name=f"{base}.{fused}")[..., columns]
+
+        return Derived((blocks, scales), shapes, decode, ("uint8", "uint8"), name=where)
+    return Derived((f"{base}.{fused}",), ((e, in_f, out_f),), lambda a: a[0][..., columns], name=where)
+
+
+def export_expert_tensors(config: TargetConfig, layer_params: dict, prefix: str, layer: int) -> dict:
+    """One layer's expert parameters in the layout transformers writes for this family (per expert for
+    Qwen3-MoE, fused and interleaved for gpt-oss)."""
+    p = {k: np.asarray(v) for k, v in layer_params.items()}
+    base = f"{prefix}layers.{layer}.mlp.experts"
+    if config.model_type == "gpt_oss":
+        def interleave(gate, up):
+            out = np.empty(gate.shape[:-1] + (2 * gate.shape[-1],), gate.dtype)
+            out[..., 0::2], out[..., 1::2] = gate, up
+            return out
+
+        return {f"{base}.gate_up_proj": interleave(p["gate_proj"], p["up_proj"]),
+                f"{base}.gate_up_proj_bias": interleave(p["gate_proj_bias"], p["up_proj_bias"]),
+                f"{base}.down_proj": p["down_proj"], f"{base}.down_proj_bias": p["down_proj_bias"]}
+    return {f"{base}.{j}.{name}.weight": np.ascontiguousarray(p[name][j].T)
+            for name in ("gate_proj", "up_proj", "down_proj") for j in range(config.experts.num_experts)}

@@ -1,0 +1,157 @@
+"""The mixture-of-experts FFN of Qwen3-MoE, gpt-oss (and Qwen3-Next/Qwen3.5's shared-expert variant).
+
+Dropless and exact: every token goes to its ``top_k`` experts, no capacity factor, nothing dropped, so the
+target computes the same function as transformers' reference and DFlash stays lossless. Two ways to compute
+the routed experts give the same result (tested against each other):
+
+- ``dense``: every expert on every token, then each token keeps its k outputs (an einsum over all experts).
+  Exact and simple; the cheaper path where ``tokens * num_experts`` is small (CPU tests, decoding one token).
+- ``grouped``: the (token, k) pairs sorted by expert and one grouped matmul (``jax.lax.ragged_dot``) per
+  projection, so the work follows ``tokens * top_k``: prefill and training at real sizes.
+
+``expert_path`` chooses; ``force_expert_path`` pins one (tests, benchmarks).
+
+Parameters (``[in, out]`` like Flax kernels, experts leading): ``gate/kernel [H, E]`` (Qwen3-MoE's router,
+``router/kernel`` + ``router/bias`` for gpt-oss), ``experts/{gate,up}_proj [E, H, I]``,
+``experts/down_proj [E, I, H]``, with ``experts/*_bias`` for gpt-oss; ``shared_expert/*`` and
+``shared_expert_gate/kernel [H, 1]`` for the shared-expert variant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.models.config import ExpertsConfig
+from dflash_jax.models.layers import MLP
+
+GPT_OSS_ALPHA = 1.702  # gpt-oss's GLU uses x * sigmoid(1.702 x)
+DENSE_LIMIT = 4096  # tokens * experts up to which computing every expert beats sorting (measured on CPU)
+
+_forced_path: contextvars.ContextVar[str | None] = contextvars.ContextVar("expert_path", default=None)
+
+
+@contextlib.contextmanager
+def force_expert_path(path: str | None):
+    """Trace expert layers with ``"dense"`` or ``"grouped"`` (None: choose by shape) inside the block."""
+    if path not in (None, "dense", "grouped"):
+        raise ValueError(f"expert path must be 'dense' or 'grouped', got {path!r}")
+    token = _forced_path.set(path)
+    try:
+        yield
+    finally:
+        _forced_path.reset(token)
+
+
+def expert_path(num_tokens: int, num_experts: int) -> str:
+    """The cheaper exact path for this many tokens (a static choice, made while tracing)."""
+    forced = _forced_path.get()
+    if forced is not None:
+        return forced
+    return "dense" if num_tokens * num_experts <= DENSE_LIMIT else "grouped"
+
+
+def route(logits: jax.Array, cfg: ExpertsConfig) -> tuple[jax.Array, jax.Array]:
+    """Router logits ``[N, E]`` -> (weights ``[N, k]`` in the logits' dtype, expert ids ``[N, k]``)."""
+    if cfg.routing == "softmax_topk":  # Qwen3-MoE: softmax over all experts in float32, then the top k
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, ids = jax.lax.top_k(probs, cfg.top_k)
+        if cfg.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    else:  # gpt-oss: the top k raw logits, softmax over those k
+        top, ids = jax.lax.top_k(logits, cfg.top_k)
+        weights = jax.nn.softmax(top.astype(jnp.float32), axis=-1)
+    return weights.astype(logits.dtype), ids
+
+
+def activate(gate: jax.Array, up: jax.Array, cfg: ExpertsConfig) -> jax.Array:
+    if cfg.activation == "clamped_swiglu":
+        gate = jnp.minimum(gate, cfg.swiglu_limit)
+        up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * GPT_OSS_ALPHA))
+    return nn.silu(gate) * up
+
+
+def dense_experts(x, weights, ids, p, cfg: ExpertsConfig):
+    """Every expert on every token ``x [N, H]``; each token sums its k outputs with their weights."""
+    gate = jnp.einsum("nh,ehi->eni", x, p["gate_proj"])
+    up = jnp.einsum("nh,ehi->eni", x, p["up_proj"])
+    if cfg.expert_bias:
+        gate, up = gate + p["gate_proj_bias"][:, None], up + p["up_proj_bias"][:, None]
+    y = jnp.einsum("eni,eih->enh", activate(gate, up, cfg), p["down_proj"])
+    if cfg.expert_bias:
+        y = y + p["down_proj_bias"][:, None]
+    # [N, E]: each token's weight for each expert, zero for the experts it did not choose
+    combine = jnp.sum(jax.nn.one_hot(ids, cfg.num_experts, dtype=weights.dtype) * weights[..., None], axis=1)
+    return jnp.einsum("ne,enh->nh", combine, y)
+
+
+def grouped_experts(x, weights, ids, p, cfg: ExpertsConfig):
+    """The (token, k) pairs sorted by expert, one ``ragged_dot`` per projection, outputs added back."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    expert_of = flat[order]
+    token_of = order // k
+    rows = x[token_of]  # [N * k, H], grouped by expert
+    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    gate = jax.lax.ragged_dot(rows, p["gate_proj"], sizes)
+    up = jax.lax.ragged_dot(rows, p["up_proj"], sizes)
+    if cfg.expert_bias:
+        gate, up = gate + p["gate_proj_bias"][expert_of], up + p["up_proj_bias"][expert_of]
+    y = jax.lax.ragged_dot(activate(gate, up, cfg), p["down_proj"], sizes)
+    if cfg.expert_bias:
+        y = y + p["down_proj_bias"][expert_of]
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[token_of].add(y)
+
+
+class ExpertWeights(nn.Module):
+    """The stacked expert weights (``[E, in, out]``, and gpt-oss's biases) as a dict."""
+
+    config: ExpertsConfig
+    hidden_size: int
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self) -> dict[str, jax.Array]:
+        cfg, h = self.config, self.hidden_size
+        e, i = cfg.num_experts, cfg.intermediate_size
+        init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        p = {"gate_proj": self.param("gate_proj", init, (e, h, i), self.dtype),
+             "up_proj": self.param("up_proj", init, (e, h, i), self.dtype),
+             "down_proj": self.param("down_proj", init, (e, i, h), self.dtype)}
+        if cfg.expert_bias:
+            for name, width in (("gate_proj_bias", i), ("up_proj_bias", i), ("down_proj_bias", h)):
+                p[name] = self.param(name, nn.initializers.zeros, (e, width), self.dtype)
+        return {name: value.astype(self.dtype) for name, value in p.items()}
+
+
+class Experts(nn.Module):
+    """The routed experts (and the optional shared expert) of one layer: ``[B, T, H] -> [B, T, H]``."""
+
+    config: ExpertsConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        b, t, h = x.shape
+        flat = x.reshape(-1, h)
+        router = nn.Dense(cfg.num_experts, use_bias=cfg.router_bias, dtype=self.dtype, param_dtype=self.dtype,
+                          name="router" if cfg.router_bias else "gate")
+        weights, ids = route(router(flat), cfg)
+        p = ExpertWeights(cfg, h, self.dtype, name="experts")()
+        compute = dense_experts if expert_path(b * t, cfg.num_experts) == "dense" else grouped_experts
+        out = compute(flat, weights, ids, p, cfg)
+        if cfg.shared_intermediate_size:
+            shared = MLP(cfg.shared_intermediate_size, False, self.dtype, self.dtype, name="shared_expert")(flat)
+            gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                            name="shared_expert_gate")(flat)
+            out = out + jax.nn.sigmoid(gate) * shared
+        return out.reshape(b, t, h)
