@@ -1,7 +1,7 @@
 """Where the time of a round of ``python -m infer demo``'s decode loop goes, on this machine.
 
     python scripts/profile_demo.py                 # the breakdown: draft forward, verify, bookkeeping
-    python scripts/profile_demo.py --prototypes    # + measured engine cuts (patched in this process only)
+    python scripts/profile_demo.py --reverted      # + the engine's CPU cuts undone (patched in this process only)
     python scripts/profile_demo.py --trace DIR     # + a per-op table of the DFlash loop (jax.profiler)
 
 Everything runs the shipped pair (stories260K + the block-8 draft) on the demo's prompt (BOS only, greedy,
@@ -19,10 +19,11 @@ times (medians), so the machine's drift hits every variant alike:
   acceptance, no commit): replayed minus this is the accept/commit bookkeeping;
 - AR step: the baseline loop.
 
-``--prototypes`` adds engine variants patched into this process only (no file changes): rounds without the
-PRNG split in greedy decoding (``decode_round``'s ``jax.random.split`` of every round, unused when greedy),
-and the tied output head as a pre-transposed ``[hidden, vocab]`` kernel for the target and the draft (the
-same products, ``x @ E.T``). Greedy outputs must stay identical (checked).
+The target is decoded as ``Decoder.decoding_target()`` gives it (on CPU the tied head as a pre-transposed
+``[hidden, vocab]`` kernel, for the target and the draft). ``--reverted`` adds each of the engine's two CPU
+cuts undone, patched into this process only (no file changes): the PRNG split back in greedy rounds
+(``decode_round``), and the tied head as ``x @ E.T``; for the DFlash round and the AR step alike. Greedy
+outputs must stay identical (checked).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from dflash_jax.engine import generate as g  # noqa: E402
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer  # noqa: E402
 from dflash_jax.engine.sampling import SamplingConfig, argmax  # noqa: E402
 from dflash_jax.evaluation.machine import load_average, machine_info  # noqa: E402
-from dflash_jax.models.draft import SharedHead, shared_head  # noqa: E402
+from dflash_jax.models.draft import shared_head  # noqa: E402
 from dflash_jax.models.target import TargetModel  # noqa: E402
 from infer.run import load_decoder  # noqa: E402
 
@@ -74,23 +75,20 @@ class ReplayProposer:
 
 
 def patched_decode_round(*edits: tuple[str, str]):
-    """``engine.generate.decode_round`` with textual edits, compiled in the module's namespace (a prototype:
+    """``engine.generate.decode_round`` with textual edits, compiled in the module's namespace (a patch:
     an edit that no longer matches the source fails loudly)."""
     src = textwrap.dedent(inspect.getsource(g.decode_round))
     for old, new in edits:
-        if old not in src:
-            raise SystemExit(f"prototype no longer applies: {old.strip()!r} is not in decode_round")
+        if src.count(old) != 1:
+            raise SystemExit(f"patch no longer applies: {old.strip()!r} is not once in decode_round")
         src = src.replace(old, new)
     namespace = dict(vars(g))
-    exec(compile(src, "<prototype decode_round>", "exec"), namespace)
+    exec(compile(src, "<patched decode_round>", "exec"), namespace)
     return namespace["decode_round"]
 
 
-NO_KEY_SPLIT = ("    key, k_draft, k_accept = jax.random.split(s.key, 3)\n",
-                "    if settings.sampling.greedy:  # prototype: no PRNG work in greedy rounds\n"
-                "        key = k_draft = k_accept = s.key\n"
-                "    else:\n"
-                "        key, k_draft, k_accept = jax.random.split(s.key, 3)\n")
+KEY_SPLIT = ("    if settings.sampling.greedy:\n        # Greedy rounds draw nothing",
+             "    if False:  # reverted: the PRNG split in every round, greedy or not\n        # Greedy rounds draw nothing")
 
 
 class Loop:
@@ -248,7 +246,7 @@ def trace_table(loop: Loop, trace_dir: str, runs: int = 5, top: int = 25) -> str
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=15, help="timed runs of every variant (default 15)")
-    parser.add_argument("--prototypes", action="store_true", help="also measure the prototype engine cuts")
+    parser.add_argument("--reverted", action="store_true", help="also measure the engine's CPU cuts undone")
     parser.add_argument("--trace", metavar="DIR", help="also trace the DFlash loop into DIR and print a per-op table")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -256,7 +254,7 @@ def main(argv=None) -> int:
 
     decoder, _, stops = load_decoder(argparse.Namespace(target=str(DEMO_TARGET), ckpt=str(DEMO_DRAFT), tokenizer=None,
                                                         dtype="float32", block_size=None))
-    tc, tp, dc, dp = decoder.target_config, decoder.target_params, decoder.draft_config, decoder.draft_params
+    (tc, tp), dc, dp = decoder.decoding_target(), decoder.draft_config, decoder.draft_params
     block = decoder.block_size
     settings = g.DecodeSettings(NEW_TOKENS, SamplingConfig(), tuple(stops))
     proposer = DFlashProposer(dc, block)
@@ -278,20 +276,17 @@ def main(argv=None) -> int:
         VerifyAlone(tc, tp, dc.target_layer_ids, settings, block),
         Loop("AR step (baseline)", tc, tp, NoProposer(), NoProposer().init(), settings),
     ]
-    if args.prototypes:
-        untied_config = dataclasses.replace(tc, tie_word_embeddings=False)
-        embedding = tp["embed_tokens"]["embedding"]
-        head_t = jnp.asarray(embedding).T + 0  # a [hidden, vocab] copy: the tied head's product as x @ kernel
-        untied_params = {**tp, "lm_head": {"kernel": head_t}}
-        head_inputs = proposer.init(dp, SharedHead(embedding, head_t), 1, slots)
-        no_key = patched_decode_round(NO_KEY_SPLIT)
+    if args.reverted:
+        tied_c, tied_p = decoder.target_config, decoder.target_params  # as loaded: x @ E.T where tied
+        tied_inputs = proposer.init(dp, shared_head(tied_p, tied_c.tie_word_embeddings), 1, slots)
+        split = patched_decode_round(KEY_SPLIT)
         variants += [
-            Loop("proto: no PRNG split in greedy rounds", tc, tp, proposer, inputs, settings, no_key),
-            Loop("proto: pre-transposed heads", untied_config, untied_params, proposer, head_inputs, settings),
-            Loop("proto: both", untied_config, untied_params, proposer, head_inputs, settings, no_key),
-            Loop("proto: AR step, pre-transposed head", untied_config, untied_params, NoProposer(),
-                 NoProposer().init(), settings),
-            Loop("proto: AR step, no PRNG split", tc, tp, NoProposer(), NoProposer().init(), settings, no_key),
+            Loop("reverted: PRNG split in greedy rounds", tc, tp, proposer, inputs, settings, split),
+            Loop("reverted: tied heads as x @ E.T", tied_c, tied_p, proposer, tied_inputs, settings),
+            Loop("reverted: both", tied_c, tied_p, proposer, tied_inputs, settings, split),
+            Loop("reverted: AR step, PRNG split", tc, tp, NoProposer(), NoProposer().init(), settings, split),
+            Loop("reverted: AR step, x @ E.T", tied_c, tied_p, NoProposer(), NoProposer().init(), settings),
+            Loop("reverted: AR step, both", tied_c, tied_p, NoProposer(), NoProposer().init(), settings, split),
         ]
     machine = machine_info()
     times = measure(variants, args.repeats, reference)
@@ -319,9 +314,9 @@ def main(argv=None) -> int:
           f"{features:.0f} us of it")
     cost = paired("DFlash round", "AR step (baseline)")
     print(f"round cost {cost:.2f} AR steps (median per-cycle ratio) -> speedup tau / cost = {recorded.tau / cost:.2f}x")
-    if args.prototypes:
-        both = paired("proto: both", "proto: AR step, pre-transposed head")
-        print(f"with both prototypes: {both:.2f} AR steps (against the AR step with the pre-transposed head), "
+    if args.reverted:
+        both = paired("reverted: both", "reverted: AR step, both")
+        print(f"with both cuts undone: {both:.2f} AR steps (against the AR step without them too), "
               f"tau / cost = {recorded.tau / both:.2f}x")
     if args.trace:
         print(trace_table(dflash, args.trace))

@@ -37,6 +37,8 @@ class Decoder:
     width_costs: tuple[float, ...] = ()  # DecodeSettings.width_costs: their relative round times (else measured)
     attention: str = "auto"  # DecodeSettings.attention: the attention kernel
     draft_window: int | None = None  # DraftModel.draft_window: every draft layer sees at most this much context
+    # (params it was made from, config, params) the engine decodes with: see ``decoding_target``
+    _decoding: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         self.dtype = resolve_dtype(self.dtype)
@@ -63,6 +65,22 @@ class Decoder:
     def has_draft(self) -> bool:
         return self.draft_config is not None
 
+    def decoding_target(self) -> tuple[TargetConfig, dict]:
+        """The target config and params the engine decodes with (both loops alike). On CPU a tied head is
+        given as an explicit ``lm_head/kernel`` [H, V], a transposed copy of the embedding made once here:
+        XLA:CPU's ``x @ E.T`` inside the decode loop costs ~5% of a DFlash round more than ``x @ kernel`` (the
+        same products, so the same logits up to float rounding; greedy tokens checked identical by the tests),
+        for one more embedding-sized array. The draft's shared head then uses the same kernel. Elsewhere
+        (accelerators, a mesh) the params are used as given."""
+        cfg, params = self.target_config, self.target_params
+        if not (cfg.tie_word_embeddings and self.mesh is None and jax.default_backend() == "cpu"):
+            return cfg, params
+        if self._decoding is None or self._decoding[0] is not params:
+            kernel = jnp.transpose(params["embed_tokens"]["embedding"])  # eager: a materialised [H, V] copy
+            self._decoding = (params, dataclasses.replace(cfg, tie_word_embeddings=False),
+                              {**params, "lm_head": {"kernel": kernel}})
+        return self._decoding[1], self._decoding[2]
+
     def check_fits(self, prompt_lengths: Sequence[int], max_new_tokens: int) -> None:
         """Refuse before compiling anything when a prompt cannot fit the target's positions."""
         prompt_width(max(prompt_lengths), max_new_tokens, self.target_config.max_position_embeddings)
@@ -82,17 +100,17 @@ class Decoder:
                                   adaptive_widths=() if baseline else tuple(self.adaptive_widths),
                                   width_costs=() if baseline else tuple(self.width_costs),
                                   attention=self.attention)
+        target_config, target_params = self.decoding_target()
         if baseline or not self.has_draft:
-            return generate(self.target_config, self.target_params, prompts, NoProposer(), NoProposer().init(),
+            return generate(target_config, target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)
         proposer = DFlashProposer(self.draft_config, self.block_size, self.dtype, self.draft_window)
         slots = cache_slots(max(len(p) for p in prompts), max_new_tokens, self.block_size,
                             self.target_config.max_position_embeddings)
         inputs = proposer.init(
-            self.draft_params, shared_head(self.target_params, self.target_config.tie_word_embeddings),
-            len(prompts), slots,
+            self.draft_params, shared_head(target_params, target_config.tie_word_embeddings), len(prompts), slots,
         )
-        return generate(self.target_config, self.target_params, prompts, proposer, inputs, settings, seed,
+        return generate(target_config, target_params, prompts, proposer, inputs, settings, seed,
                         self.dtype, on_tokens=on_tokens)
 
 
