@@ -2,8 +2,10 @@
 
 Parameters are nested dicts whose paths mirror the Hugging Face names, so sharding is a lookup: a parameter
 path matches a pattern of ``PARAM_RULES`` and gets one *logical* axis name per dimension (``embed``, ``heads``,
-``mlp``, ``vocab`` ...); ``LOGICAL_TO_MESH`` maps logical axes to the mesh axes ``data``, ``fsdp`` and
-``tensor`` (as MaxText's ``logical_axis_rules`` and jax-llm-examples' ``ShardingRules`` do). Target and draft
+``mlp``, ``vocab``, ``experts`` ...); ``LOGICAL_TO_MESH`` maps logical axes to the mesh axes ``data``,
+``fsdp``, ``tensor`` and ``expert`` (as MaxText's ``logical_axis_rules`` and jax-llm-examples'
+``ShardingRules`` do). The expert axis splits a mixture-of-experts layer's experts (expert parallelism);
+activations are replicated over it, so each device computes its own experts' share and XLA sums them. Target and draft
 use the same table: their layers have the same names.
 
 A dimension that the mesh axis does not divide is replicated instead (tiny test models on 8 devices, a KV
@@ -22,7 +24,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.errors import UserError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 # (pattern on "/".join(path), logical axis of each dimension). Flax kernels are [in, out].
 PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
@@ -39,6 +41,15 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"down_proj/kernel$", ("mlp", "embed")),
     (r"down_proj/bias$", ("embed",)),
     (r"(^|/)fc/kernel$", ("features", "embed")),  # the draft's feature fusion [n * H, H]
+    # Mixture-of-experts layers (models/experts.py): stacked experts [E, in, out] split over the expert axis.
+    (r"mlp/(gate|router)/kernel$", ("embed", None)),  # the router [H, E]: small, replicated over experts
+    (r"mlp/router/bias$", (None,)),
+    (r"experts/(gate|up)_proj$", ("experts", "embed", "mlp")),
+    (r"experts/down_proj$", ("experts", "mlp", "embed")),
+    (r"experts/(gate|up)_proj_bias$", ("experts", "mlp")),
+    (r"experts/down_proj_bias$", ("experts", "embed")),
+    (r"shared_expert_gate/kernel$", ("embed", None)),
+    (r"self_attn/sinks$", ("heads",)),
     (r"norm/weight$", ("norm",)),  # every RMSNorm (layer norms, q/k norms, final and hidden norms)
 )
 
@@ -49,6 +60,7 @@ LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "experts": "expert",
     "features": None,
     "norm": None,
     "length": None,
@@ -56,7 +68,7 @@ LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
 
 
 def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int | None = None) -> dict[str, int]:
-    """``"data=2,fsdp=4"`` or a mapping -> sizes of all three axes; one axis may be ``-1`` (the rest of the
+    """``"data=2,fsdp=4"`` or a mapping -> sizes of all four axes; one axis may be ``-1`` (the rest of the
     devices). Axes left out have size 1, except that with no spec at all every device goes to ``data``."""
     num_devices = jax.device_count() if num_devices is None else num_devices
     if spec is None or spec == "" or spec == {}:
@@ -96,10 +108,10 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int | None = N
 
 
 def make_mesh(spec: str | Mapping[str, int] | None = None, devices: Sequence[Any] | None = None) -> Mesh:
-    """A mesh with axes (data, fsdp, tensor) over all devices (all processes), with automatic sharding."""
+    """A mesh with axes (data, fsdp, tensor, expert) over all devices (all processes), with automatic sharding."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = parse_mesh(spec, len(devices))
-    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * 3,
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
                          devices=devices)
 
 

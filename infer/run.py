@@ -63,8 +63,9 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
                              "the proposals change, never the output")
     parser.add_argument("--mesh", metavar="SPEC",
                         help="shard the models over devices, e.g. tensor=8 or data=2,tensor=4 (axes data, fsdp, "
-                             "tensor; the training's rules table: attention heads and MLP over tensor, KV caches "
-                             "over KV heads, prompts over data); default: one device")
+                             "tensor, expert; the training's rules table: attention heads and MLP over tensor, "
+                             "a mixture-of-experts target's experts over expert, KV caches over KV heads, prompts "
+                             "over data); default: one device")
     add_attention_arg(parser)
     add_device_args(parser)
 

@@ -29,6 +29,37 @@ def tiny_target(seed: int = 0, vocab: int = VOCAB, scale: float = 0.3, tied: boo
     return config, params
 
 
+MOE_FAMILIES = {
+    # Layer 1 dense among routed layers; renormalised top-2 of 4 experts.
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, intermediate_size=128, norm_topk_prob=True, mlp_only_layers=[1]),
+    # Sliding window 6 on even layers, sinks, biases, YaRN; top-2 of 4 experts.
+    "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=32, sliding_window=6, rope_parameters={
+                        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}),
+}
+
+
+def tiny_moe_target(family: str, seed: int = 0, vocab: int = VOCAB, scale: float = 0.3):
+    """A tiny random mixture-of-experts target of ``family`` (4 layers, 4 experts), random like
+    ``tiny_target``; gpt-oss's sinks are drawn around one so that they take a real share of the softmax."""
+    config = TargetConfig.from_dict(dict(
+        vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512, **MOE_FAMILIES[family]))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, x):
+        name = path[-1].key
+        if name == "sinks":
+            return jnp.asarray(1.0 + rng.standard_normal(x.shape), x.dtype)
+        if name.endswith("bias"):
+            return jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
+        return jnp.asarray(rng.standard_normal(x.shape) * scale if len(x.shape) > 1 else np.ones(x.shape), x.dtype)
+
+    return config, jax.tree_util.tree_map_with_path(draw, abstract_target_params(config))
+
+
 def tiny_draft(vocab: int = VOCAB, block: int = 8, seed: int = 1):
     cfg = official_config(vocab_size=vocab, block_size=block,
                           dflash_config={"target_layer_ids": [0, 2], "mask_token_id": vocab - 1})

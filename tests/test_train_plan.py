@@ -43,7 +43,7 @@ def plans():
 
 def test_plan_reports_memory_and_flops(plans):
     r = plans["data=2,fsdp=2,tensor=2"]
-    assert r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and r["num_devices"] == 8
+    assert r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "expert": 1} and r["num_devices"] == 8
     assert r["argument_bytes"] > 0 and r["temp_bytes"] > 0
     params = r["target_param_bytes"] + r["draft_state_bytes"]
     assert 0 < params <= r["input_bytes"]

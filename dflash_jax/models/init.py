@@ -38,7 +38,9 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None) -> Any
         elif name == "bias":
             out.append(jnp.asarray(np.zeros(shape, np.float32), dtype))
         else:
-            scale = 1.0 if name == "embedding" else (shape[0] ** -0.5 if std is None else std)
+            # Kernels are [in, out]; stacked experts [E, in, out] and sinks [heads] follow the same rule.
+            fan_in = shape[-2] if len(shape) >= 2 else shape[0]
+            scale = 1.0 if name == "embedding" else (fan_in ** -0.5 if std is None else std)
             if on_host:
                 out.append(jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(scale), dtype))
             else:

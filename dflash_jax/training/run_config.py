@@ -80,6 +80,7 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "data": (-1, (int,), "data-parallel axis size (-1: the remaining devices)"),
         "fsdp": (1, (int,), "fully-sharded axis: params and optimizer state split over it"),
         "tensor": (1, (int,), "tensor-parallel axis: heads, MLP and vocabulary split over it"),
+        "expert": (1, (int,), "expert-parallel axis: a mixture-of-experts target's experts split over it"),
     },
     "output": {
         "dir": (REQUIRED, (str,), "run directory: checkpoints/, logs (TensorBoard, metrics.jsonl), export/"),
