@@ -72,7 +72,7 @@ def parse_mesh(spec: str | Mapping[str, int] | None, num_devices: int | None = N
     devices). Axes left out have size 1, except that with no spec at all every device goes to ``data``."""
     num_devices = jax.device_count() if num_devices is None else num_devices
     if spec is None or spec == "" or spec == {}:
-        return {"data": num_devices, "fsdp": 1, "tensor": 1}
+        return {"data": num_devices, **{a: 1 for a in MESH_AXES[1:]}}
     if isinstance(spec, str):
         sizes: dict[str, Any] = {}
         for part in spec.split(","):

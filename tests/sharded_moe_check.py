@@ -1,0 +1,101 @@
+"""Run in a subprocess with 8 fake CPU devices (tests/test_moe_sharded.py): mixture-of-experts targets (tiny
+Qwen3-MoE and gpt-oss) on one device and sharded with their experts split over the ``expert`` mesh axis.
+Engine: DFlash with a random draft, the autoregressive baseline and planted acceptance (an oracle with
+errors), greedy. Train step: loss, gradients and updated draft params. Prints one JSON object."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(__file__))
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from dflash_jax import sharding  # noqa: E402
+from dflash_jax.engine.decoder import Decoder  # noqa: E402
+from dflash_jax.engine.generate import DecodeSettings, generate  # noqa: E402
+from dflash_jax.engine.proposers import OracleProposer  # noqa: E402
+from dflash_jax.models.draft import DraftModel  # noqa: E402
+from dflash_jax.models.target import TargetModel  # noqa: E402
+from dflash_jax.training.step import (  # noqa: E402
+    StepConfig, accumulated_gradients, init_train_state, make_optimizer, make_train_step,
+)
+from engine_tiny import tiny_draft, tiny_moe_target  # noqa: E402
+from train_tiny import STEP_KW, tiny_tokenized  # noqa: E402
+
+ENGINE_MESHES = (None, "data=2,tensor=2,expert=2")
+TRAIN_MESHES = (None, "fsdp=2,tensor=2,expert=2")
+
+
+def engine_runs(family):
+    tc, tp = tiny_moe_target(family)
+    dc, dp = tiny_draft(block=8)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, tc.vocab_size - 1, n).tolist() for n in (5, 13, 9, 21)]
+    runs, specs, reference = {}, {}, None
+    for spec in ENGINE_MESHES:
+        mesh = sharding.make_mesh(spec) if spec else None
+        name = spec or "one"
+        decoder = Decoder(tc, tp, dc, dp, 8, mesh=mesh)
+        if mesh is not None:
+            specs[name] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(decoder.target_params)})
+        for baseline in (False, True) if mesh is None else (False,):  # the planted run covers the rest
+            r = decoder.generate(prompts, 24, baseline=baseline)
+            runs[f"{name}/{'ar' if baseline else 'dflash'}"] = {"tokens": r.tokens, "accept": r.accept_lengths}
+        if reference is None:  # the greedy continuation, errors planted at about every 3rd position
+            reference = np.zeros((len(prompts), 64), np.int32)
+            for i, (p, g) in enumerate(zip(prompts, runs["one/ar"]["tokens"])):
+                reference[i, : len(p) + len(g)] = p + g
+            errors = (np.arange(64)[None] % 3 == 0) & (rng.random((len(prompts), 64)) < 0.7)
+        oracle = OracleProposer(8, tc.vocab_size)
+        r = generate(tc, decoder.target_params, prompts, oracle, oracle.init(reference, errors),
+                     DecodeSettings(24, mesh=mesh))
+        runs[f"{name}/oracle"] = {"tokens": r.tokens, "accept": r.accept_lengths}
+    return runs, specs
+
+
+def train_run(family, spec):
+    tc, tp = tiny_moe_target(family)
+    dc, dp = tiny_draft()
+    cfg = StepConfig(feature_layers=dc.target_layer_ids, **STEP_KW)
+    batch = tiny_tokenized(rows=8).padded_rows()
+    mesh = sharding.make_mesh(spec, jax.devices()[:1] if spec is None else None)
+    target, draft = TargetModel(tc), DraftModel(dc)
+    optimizer, _ = make_optimizer(1e-3, total_steps=10, warmup_ratio=0.0, eps=1e-4)  # eps: see sharded_step_check
+    with jax.set_mesh(mesh):
+        tp = jax.device_put(tp, sharding.tree_shardings(tp, mesh))
+        state = init_train_state(dp, optimizer, seed=0)
+        state_sh = sharding.tree_shardings(state, mesh)
+        state = jax.device_put(state, state_sh)
+        batch = sharding.global_batch_from_local(batch, mesh, 8)
+        key = jax.random.fold_in(state.key, state.step)
+        grads, _ = jax.jit(lambda p, t, b: accumulated_gradients(p, t, b, key, target, draft, cfg))(
+            state.params, tp, batch)
+        new_state, metrics = jax.jit(make_train_step(target, draft, cfg, optimizer),
+                                     out_shardings=(state_sh, None))(state, tp, batch)
+        expert_specs = sorted({str(x.sharding.spec) for path, x in jax.tree_util.tree_leaves_with_path(tp)
+                               if "experts" in jax.tree_util.keystr(path)})
+    return float(metrics["loss"]), jax.device_get(grads), jax.device_get(new_state.params), expert_specs
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+out = {"devices": jax.device_count()}
+for family in ("qwen3_moe", "gpt_oss"):
+    runs, specs = engine_runs(family)
+    train = {}
+    one = train_run(family, None) if family == "gpt_oss" else None  # the step: on the richer family only
+    for spec in TRAIN_MESHES[1:] if one else ():
+        other = train_run(family, spec)
+        train[spec] = {"loss": abs(other[0] - one[0]) / abs(one[0]), "grads": max_diff(other[1], one[1]),
+                       "params": max_diff(other[2], one[2]), "expert_specs": other[3]}
+    out[family] = {"runs": runs, "param_specs": specs, "train": train}
+print(json.dumps(out))
