@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 
 from hf_tiny import make_hf_target  # noqa: E402
 
-VARIANTS = ["qwen3_untied", "qwen3_tied", "llama3", "qwen2_bias"]
+VARIANTS = ["qwen3_untied", "qwen3_tied", "llama3", "qwen2_bias", "qwen3_moe", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")
@@ -185,8 +185,13 @@ def test_bad_config_json_names_file_and_field(hf_dirs, tmp_path):
         load_target(dst)
 
     rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}  # 5.x layout, as save_pretrained writes
+    dst = copy_with(src, tmp_path / "yarn", tensors, {**good, "rope_parameters": rope})
+    with pytest.raises(ConfigError, match=rf"{esc(dst)}/config\.json \(rope scaling\): missing required field "
+                                          "'original_max_position_embeddings'"):
+        load_target(dst)
+    rope = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     dst = copy_with(src, tmp_path / "rope", tensors, {**good, "rope_parameters": rope})
-    with pytest.raises(ConfigError, match=rf"{esc(dst)}/config\.json: rope type 'yarn' is not supported"):
+    with pytest.raises(ConfigError, match=rf"{esc(dst)}/config\.json: rope type 'dynamic' is not supported"):
         load_target(dst)
 
 

@@ -229,6 +229,7 @@ def load_params(
         arr = arr.astype(dtype or arr.dtype, copy=False)
         out[path] = place(path, arr) if place is not None else jax.numpy.asarray(arr)
     if missing:
+        missing = list(dict.fromkeys(missing))  # a fused tensor feeds several params: name it once
         shown = ", ".join(repr(k) for k in missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise CheckpointError(f"{source.path}: missing {len(missing)} tensor(s): {shown}")
     return unflatten(out)
