@@ -74,3 +74,39 @@ def test_slots_past_the_live_length_are_never_read():
     visible = lambda pos: jnp.broadcast_to(pos < 300, (B, T, pos.shape[0]))  # noqa: E731
     out = np.asarray(jax.jit(lambda *a: cache_attention(*a, visible, jnp.int32(256), chunk=128))(q, k, v))
     assert np.isfinite(out).all()
+
+
+def test_sliding_window_with_sinks_skips_chunks_and_equals_dense_softmax():
+    """gpt-oss's attention: a window (keys with 0 <= q_pos - k_pos < W) and one sink logit per query head
+    joining the softmax denominator. ``first_slot`` lets the loop start at the window's first chunk; the
+    result equals a dense float64 softmax over the visible keys plus the sink (chunk 64, so most chunks of
+    the 600-slot cache are skipped), with and without the skip."""
+    rng = np.random.default_rng(7)
+    window, chunk = 50, 64
+    q = rng.standard_normal((B, T, HQ, D)).astype(np.float32)
+    k = rng.standard_normal((B, HKV, S, D)).astype(np.float32)
+    v = rng.standard_normal((B, HKV, S, D)).astype(np.float32)
+    sinks = (1.0 + rng.standard_normal(HQ)).astype(np.float32)
+    lengths = np.array([590, 420], np.int32)
+    q_pos = np.array([[585, 588, 589], [400, 410, 419]], np.int32)
+
+    def visible(pos):
+        p = jnp.asarray(q_pos)[:, :, None]
+        return (pos[None, None, :] <= p) & (p - pos[None, None, :] < window) & (pos < jnp.asarray(lengths)[:, None, None])
+
+    slot = np.arange(S)
+    mask = (slot <= q_pos[:, :, None]) & (q_pos[:, :, None] - slot < window) & (slot < lengths[:, None, None])
+    want = np.zeros(q.shape)
+    for b in range(B):
+        for h in range(HQ):
+            kh = h // (HQ // HKV)
+            for t in range(T):
+                s = k[b, kh][mask[b, t]].astype(np.float64) @ q[b, t, h] * D**-0.5
+                top = max(s.max(), sinks[h])
+                w = np.exp(s - top)
+                want[b, t, h] = w @ v[b, kh][mask[b, t]] / (w.sum() + np.exp(sinks[h] - top))
+    for first in (None, int(q_pos.min()) - window + 1):
+        fn = jax.jit(lambda q, k, v, live, s, f: cache_attention(q, k, v, visible, live, chunk=chunk, sinks=s,
+                                                                   first_slot=f))
+        got = np.asarray(fn(q, k, v, jnp.int32(lengths.max()), sinks, None if first is None else jnp.int32(first)))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
