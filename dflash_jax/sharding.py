@@ -48,6 +48,12 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"experts/down_proj$", ("experts", "mlp", "embed")),
     (r"experts/(gate|up)_proj_bias$", ("experts", "mlp")),
     (r"experts/down_proj_bias$", ("experts", "embed")),
+    # gpt-oss's MXFP4 experts kept packed (models/mxfp4): blocks [E, out, in/32, 16], scales [E, out, in/32];
+    # the rows are the output features, and the packed input axis stays whole (its bytes are decoded together).
+    (r"experts/(gate|up)_proj_blocks$", ("experts", "mlp", None, None)),
+    (r"experts/(gate|up)_proj_scales$", ("experts", "mlp", None)),
+    (r"experts/down_proj_blocks$", ("experts", "embed", None, None)),
+    (r"experts/down_proj_scales$", ("experts", "embed", None)),
     (r"shared_expert_gate/kernel$", ("embed", None)),
     (r"self_attn/sinks$", ("heads",)),
     (r"norm/weight$", ("norm",)),  # every RMSNorm (layer norms, q/k norms, final and hidden norms)

@@ -10,7 +10,9 @@ The experts' parameters are ``[E, in, out]`` stacks (``experts/{gate,up}_proj [E
 - fused, gpt-oss style: ``mlp.experts.gate_up_proj [E, H, 2I]`` (``x @ W``) with gate and up INTERLEAVED
   (gate = even columns), ``gate_up_proj_bias [E, 2I]`` likewise, ``down_proj [E, I, H]``, ``down_proj_bias``;
 - gpt-oss MXFP4 (released weights): ``gate_up_proj_blocks``/``_scales`` and ``down_proj_blocks``/``_scales``
-  (``models/mxfp4``), decoded here at load.
+  (``models/mxfp4``), decoded here at load, or (``mxfp4="packed"``, ``ExpertsConfig.weight_format ==
+  "mxfp4"``) loaded as they are into the packed params ``experts/{gate,up,down}_proj_{blocks,scales}`` (uint8,
+  rows = output features, so splitting the interleaved gate/up is taking every other row).
 
 Everything else of an expert layer (the router ``mlp.gate``/``mlp.router``, the shared expert) follows the
 default name mirror.
@@ -18,6 +20,7 @@ default name mirror.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -26,7 +29,29 @@ from dflash_jax.checkpoints.safetensors_io import CheckpointError, Derived, Safe
 from dflash_jax.models import mxfp4
 from dflash_jax.models.config import TargetConfig
 
-EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_proj_bias", "up_proj_bias", "down_proj_bias")
+EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_proj_bias", "up_proj_bias", "down_proj_bias",
+                 "gate_proj_blocks", "gate_proj_scales", "up_proj_blocks", "up_proj_scales", "down_proj_blocks",
+                 "down_proj_scales")
+PACKED_SUFFIXES = ("_blocks", "_scales")
+#: ``load_target(..., mxfp4=...)``: what to do with MXFP4 expert weights.
+MXFP4_MODES = ("dequantize", "packed")
+
+
+def is_packed_param(path: tuple[str, ...]) -> bool:
+    return is_expert_param(path) and path[-1].endswith(PACKED_SUFFIXES)
+
+
+def with_mxfp4(config: TargetConfig, mxfp4_mode: str, source: str = "") -> TargetConfig:
+    """``config`` whose experts are declared packed (``mxfp4_mode == "packed"``) or as it is ("dequantize").
+    Packed experts exist for gpt-oss only (the family whose checkpoints store MXFP4)."""
+    if mxfp4_mode not in MXFP4_MODES:
+        raise CheckpointError(f"mxfp4 must be one of {', '.join(MXFP4_MODES)}, got {mxfp4_mode!r}")
+    if mxfp4_mode == "dequantize":
+        return config
+    if config.model_type != "gpt_oss" or config.experts is None:
+        raise CheckpointError(f"{source or 'target'}: mxfp4='packed' keeps gpt-oss's MXFP4 expert weights packed, "
+                              f"but this is a {config.model_type} model; load it with mxfp4='dequantize'")
+    return dataclasses.replace(config, experts=dataclasses.replace(config.experts, weight_format="mxfp4"))
 
 
 def is_expert_param(path: tuple[str, ...]) -> bool:
@@ -43,6 +68,8 @@ def expert_rule(config: TargetConfig, source: SafetensorsDir, prefix: str,
     name, where = path[-1], f"{base} ({path[-1]})"
     has = source.key_to_file.__contains__
     if config.model_type == "gpt_oss":
+        if name.endswith(PACKED_SUFFIXES):
+            return _gpt_oss_packed_rule(source, base, name, e, h, i, where)
         return _gpt_oss_rule(base, name, e, h, i, has, where)
     # Qwen style
     if name.endswith("_bias"):
@@ -75,6 +102,26 @@ def _gpt_oss_rule(base: str, name: str, e: int, h: int, i: int, has: Callable[[s
 
         return Derived((blocks, scales), shapes, decode, ("uint8", "uint8"), name=where)
     return Derived((f"{base}.{fused}",), ((e, in_f, out_f),), lambda a: a[0][..., columns], name=where)
+
+
+def _gpt_oss_packed_rule(source: SafetensorsDir, base: str, name: str, e: int, h: int, i: int,
+                         where: str) -> Derived:
+    """A packed param (``gate_proj_blocks`` ...) straight from the stored uint8 tensor: gate = even rows of
+    ``gate_up_proj_*``, up = odd rows (the rows are the interleaved output features), down as stored."""
+    proj, part = name.rsplit("_", 1)  # ("gate_proj", "blocks")
+    fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
+    key = f"{base}.{fused}_{part}"
+    if key not in source.key_to_file and f"{base}.{fused}" in source.key_to_file:
+        float_key = f"{base}.{fused}"
+        raise CheckpointError(
+            f"{source.file_of(float_key)}: tensor {float_key!r} holds float expert weights "
+            f"({source.dtype_name(float_key)}), but mxfp4='packed' (--mxfp4 packed) needs the MXFP4 tensors "
+            f"{fused}_blocks / {fused}_scales of a released gpt-oss checkpoint; load it with mxfp4='dequantize'")
+    in_f, out_f = (i, h) if fused == "down_proj" else (h, 2 * i)
+    blocks_shape, scales_shape = mxfp4.packed_shapes(in_f, out_f, e)
+    shape = blocks_shape if part == "blocks" else scales_shape
+    rows = slice(None) if fused == "down_proj" else slice(0, None, 2) if proj == "gate_proj" else slice(1, None, 2)
+    return Derived((key,), (shape,), lambda a: np.ascontiguousarray(a[0][:, rows]), ("uint8",), name=where)
 
 
 def export_expert_tensors(config: TargetConfig, layer_params: dict, prefix: str, layer: int) -> dict:

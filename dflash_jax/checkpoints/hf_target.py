@@ -9,7 +9,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.checkpoints.expert_layouts import expert_rule, export_expert_tensors, is_expert_param
+import numpy as np
+
+from dflash_jax.checkpoints.expert_layouts import (
+    MXFP4_MODES,
+    expert_rule,
+    export_expert_tensors,
+    is_expert_param,
+    is_packed_param,
+    with_mxfp4,
+)
 from dflash_jax.checkpoints.safetensors_io import (
     CheckpointError,
     SafetensorsDir,
@@ -23,6 +32,8 @@ from dflash_jax.checkpoints.safetensors_io import (
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.target import TargetModel
 from dflash_jax.precision import resolve_dtype
+
+
 
 def abstract_target_params(config: TargetConfig, dtype: Any = jnp.float32) -> dict:
     model = TargetModel(config, dtype)
@@ -39,21 +50,27 @@ def target_key_of(prefix: str):
 
 
 def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False,
-                place=None) -> tuple[TargetConfig, dict]:
+                place=None, mxfp4: str = "dequantize") -> tuple[TargetConfig, dict]:
     """Load a Hugging Face target directory (any family of ``models/config.FAMILIES``) into
     ``(config, params)``; expert weights in any stored layout (``expert_layouts``).
 
     Keys may carry the ``model.`` prefix (``*ForCausalLM`` checkpoints) or not (bare ``*Model``).
     ``place(path, host_array)`` puts each tensor on the devices (see ``safetensors_io.load_params``).
+    ``mxfp4``: what becomes of gpt-oss's MXFP4 expert weights. ``"dequantize"`` (default) decodes them to
+    ``dtype`` here (16 bits per weight in bfloat16); ``"packed"`` keeps the stored uint8 blocks and scales
+    (4.25 bits per weight: gpt-oss-120b's experts in ~61 GB instead of ~230 GB) and the returned config says so
+    (``config.experts.weight_format == "mxfp4"``): the model decodes them inside each layer. "packed" needs a
+    gpt-oss checkpoint that stores MXFP4 (float experts are a ``CheckpointError`` naming the file and tensor).
+    Packed params are never cast; every other param is cast to ``dtype`` (``None`` keeps the stored dtypes).
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: target checkpoint directory not found")
-    config = TargetConfig.from_json(path / "config.json")
+    config = with_mxfp4(TargetConfig.from_json(path / "config.json"), mxfp4, str(path))
     dtype = resolve_dtype(dtype)
     source = SafetensorsDir(path)
     prefix = "model." if any(k.startswith("model.") for k in source.keys()) else ""
-    abstract = abstract_target_params(config, dtype)
+    abstract = abstract_target_params(config, dtype if dtype is not None else jnp.float32)
     mirror = target_key_of(prefix)
 
     def key_of(param_path):
@@ -61,7 +78,14 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
             return expert_rule(config, source, prefix, param_path)
         return mirror(param_path)
 
-    params = load_params(source, abstract, key_of, dtype=dtype, progress=progress, place=place)
+    def put(param_path, arr):
+        # load_params runs with dtype=None (it would cast every tensor); the cast to ``dtype`` happens here, for
+        # floating-point tensors only, so the uint8 MXFP4 blocks and scales stay packed.
+        if dtype is not None and not np.issubdtype(arr.dtype, np.integer):
+            arr = arr.astype(dtype, copy=False)
+        return place(param_path, arr) if place is not None else jnp.asarray(arr)
+
+    params = load_params(source, abstract, key_of, dtype=None, progress=progress, place=put)
     return config, params
 
 
@@ -71,6 +95,9 @@ def save_target(config: TargetConfig, params: dict, out_dir: str | Path, dtype: 
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = resolve_dtype(dtype) if dtype is not None else None
     experts = {path: leaf for path, leaf in flatten(params).items() if is_expert_param(path)}
+    if any(is_packed_param(path) for path in experts):
+        raise CheckpointError(f"{out_dir}: these params keep MXFP4 experts packed (loaded with mxfp4='packed'); "
+                              "load the target with mxfp4='dequantize' to save it")
     tensors = params_to_tensors(unflatten({path: leaf for path, leaf in flatten(params).items()
                                            if path not in experts}), target_key_of("model."), dtype=dtype)
     for layer in sorted({path[0] for path in experts}):

@@ -245,6 +245,11 @@ class ExpertsConfig:
     activation: str = "silu"
     swiglu_limit: float = 7.0
     shared_intermediate_size: int = 0  # a shared expert scaled by sigmoid(shared_expert_gate(x)); 0 = none
+    # How the routed experts' weights live on the device. "float": ``experts/{gate,up,down}_proj`` in the compute
+    # dtype. "mxfp4": kept packed as gpt-oss stores them (``experts/*_proj_blocks`` / ``_scales``, uint8, 4.25 bits
+    # per weight; ``models/mxfp4``) and decoded inside the layer's computation. Not part of the Hugging Face
+    # config: chosen at load (``load_target(..., mxfp4="packed")``, ``python -m infer --mxfp4 packed``).
+    weight_format: str = "float"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,12 @@ Parameters (``[in, out]`` like Flax kernels, experts leading): ``gate/kernel [H,
 ``router/kernel`` + ``router/bias`` for gpt-oss), ``experts/{gate,up}_proj [E, H, I]``,
 ``experts/down_proj [E, I, H]``, with ``experts/*_bias`` for gpt-oss; ``shared_expert/*`` and
 ``shared_expert_gate/kernel [H, 1]`` for the shared-expert variant.
+
+With ``ExpertsConfig.weight_format == "mxfp4"`` the three projections are instead kept packed as gpt-oss stores
+them (``models/mxfp4``: uint8, 4.25 bits per weight), rows = output features:
+``experts/{gate,up}_proj_blocks [E, I, H/32, 16]`` + ``_scales [E, I, H/32]``, ``experts/down_proj_blocks
+[E, H, I/32, 16]`` + ``_scales [E, H, I/32]`` (biases stay float). ``ExpertWeights`` decodes them to the compute
+dtype inside the traced layer, so both paths above run unchanged on the decoded ``[E, in, out]`` weights.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.models import mxfp4
 from dflash_jax.models.config import ExpertsConfig
 from dflash_jax.models.layers import MLP
 
@@ -112,7 +119,8 @@ def grouped_experts(x, weights, ids, p, cfg: ExpertsConfig):
 
 
 class ExpertWeights(nn.Module):
-    """The stacked expert weights (``[E, in, out]``, and gpt-oss's biases) as a dict."""
+    """The stacked expert weights (``[E, in, out]``, and gpt-oss's biases) as a dict in ``dtype``; with
+    ``config.weight_format == "mxfp4"`` declared packed (uint8 blocks and scales) and decoded here."""
 
     config: ExpertsConfig
     hidden_size: int
@@ -122,14 +130,36 @@ class ExpertWeights(nn.Module):
     def __call__(self) -> dict[str, jax.Array]:
         cfg, h = self.config, self.hidden_size
         e, i = cfg.num_experts, cfg.intermediate_size
-        init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        p = {"gate_proj": self.param("gate_proj", init, (e, h, i), self.dtype),
-             "up_proj": self.param("up_proj", init, (e, h, i), self.dtype),
-             "down_proj": self.param("down_proj", init, (e, i, h), self.dtype)}
+        if cfg.weight_format == "mxfp4":
+            p = self._packed(e, h, i)
+        elif cfg.weight_format == "float":
+            init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+            p = {"gate_proj": self.param("gate_proj", init, (e, h, i), self.dtype),
+                 "up_proj": self.param("up_proj", init, (e, h, i), self.dtype),
+                 "down_proj": self.param("down_proj", init, (e, i, h), self.dtype)}
+        else:
+            raise ValueError(f"expert weight_format must be 'float' or 'mxfp4', got {cfg.weight_format!r}")
         if cfg.expert_bias:
             for name, width in (("gate_proj_bias", i), ("up_proj_bias", i), ("down_proj_bias", h)):
                 p[name] = self.param(name, nn.initializers.zeros, (e, width), self.dtype)
         return {name: value.astype(self.dtype) for name, value in p.items()}
+
+    def _packed(self, e: int, h: int, i: int) -> dict[str, jax.Array]:
+        """The MXFP4 params (uint8; zeros at init, i.e. all-zero weights: real values come from a checkpoint),
+        decoded to ``[E, in, out]`` in ``dtype``. The decode is part of this layer's traced computation: only
+        the packed bytes are persistent device memory, and the decoded copy is a temporary of this layer (XLA
+        frees it after the layer's matmuls, so about one layer's decoded experts are alive at a time)."""
+        for what, size in (("hidden_size", h), ("intermediate_size", i)):
+            if size % mxfp4.BLOCK_SIZE:
+                raise ValueError(f"MXFP4 expert weights need {what} to be a multiple of {mxfp4.BLOCK_SIZE}, "
+                                 f"got {size}")
+        out = {}
+        for name, (inn, width) in (("gate_proj", (h, i)), ("up_proj", (h, i)), ("down_proj", (i, h))):
+            blocks_shape, scales_shape = mxfp4.packed_shapes(inn, width, e)
+            blocks = self.param(f"{name}_blocks", nn.initializers.zeros, blocks_shape, jnp.uint8)
+            scales = self.param(f"{name}_scales", nn.initializers.zeros, scales_shape, jnp.uint8)
+            out[name] = mxfp4.dequantize_jax(blocks, scales, self.dtype, name=f"{self.name}/{name}")
+        return out
 
 
 class Experts(nn.Module):

@@ -20,7 +20,8 @@ HOST_INIT_LIMIT = 300_000_000  # parameters; bigger models are drawn on the devi
 
 def random_params(abstract: Any, seed: int = 0, std: float | None = None) -> Any:
     """Random weights for a params tree of ``jax.ShapeDtypeStruct``. Norm weights are one, biases zero,
-    embeddings N(0, 1), linear kernels ``[in, out]`` N(0, 1/in), or N(0, std^2) when ``std`` is given (0.02 is
+    embeddings N(0, 1), linear kernels ``[in, out]`` N(0, 1/in) (packed MXFP4 experts: random codes at
+    scale 2^-5), or N(0, std^2) when ``std`` is given (0.02 is
     Hugging Face's ``initializer_range``, a new draft's start). Unit-scale activations keep greedy choices
     well separated in speed runs and tests. Models up to ``HOST_INIT_LIMIT`` parameters are drawn with NumPy
     (no per-shape compiles); bigger ones (8B) with ``jax.random`` directly on the default device, with no
@@ -33,7 +34,10 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None) -> Any
     for i, (path, leaf) in enumerate(leaves):
         name = getattr(path[-1], "key", "")
         shape, dtype = tuple(leaf.shape), leaf.dtype
-        if name == "weight" and len(shape) == 1:
+        if jnp.issubdtype(dtype, jnp.integer):  # MXFP4 experts (models/mxfp4): random codes, scale 2^-5
+            codes = rng.integers(0, 256, shape) if name.endswith("_blocks") else np.full(shape, 122)
+            out.append(jnp.asarray(codes, dtype))
+        elif name == "weight" and len(shape) == 1:
             out.append(jnp.asarray(np.ones(shape, np.float32), dtype))
         elif name == "bias":
             out.append(jnp.asarray(np.zeros(shape, np.float32), dtype))

@@ -1,0 +1,183 @@
+"""gpt-oss with its MXFP4 expert weights kept packed on the device (``load_target(..., mxfp4="packed")``).
+
+A tiny gpt-oss checkpoint whose experts are stored as released gpt-oss stores them (``gate_up_proj_blocks`` /
+``_scales``, ``down_proj_blocks`` / ``_scales``, uint8), with the transformers model set to transformers' own
+dequantisation of those tensors (``integrations.mxfp4.convert_moe_packed_tensors``) as the reference. Loading
+it packed and dequantised must give the same logits (1e-5), both transformers' logits (1e-4), and identical
+greedy tokens; the packed params are uint8 at 4.25 bits per expert weight.
+"""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+from dflash_jax import sharding  # noqa: E402
+from dflash_jax.checkpoints.expert_layouts import with_mxfp4  # noqa: E402
+from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target, save_target  # noqa: E402
+from dflash_jax.checkpoints.safetensors_io import CheckpointError, flatten  # noqa: E402
+from dflash_jax.engine.decoder import Decoder  # noqa: E402
+from dflash_jax.models import mxfp4  # noqa: E402
+from dflash_jax.models.experts import force_expert_path  # noqa: E402
+from dflash_jax.models.target import TargetModel  # noqa: E402
+from hf_tiny import make_hf_target  # noqa: E402
+
+PROMPT_LENGTHS = (5, 11, 17)
+# Scales 2 ** (s - 127) for s in [120, 126): weights up to 6 * 2 ** -2, typically ~0.03-0.1, comparable to the
+# float tiny models (0.15 * randn), so three expert layers keep activations (and the 1e-4 tolerance) sensible.
+SCALE_RANGE = (120, 126)
+
+
+def _pack(rng, in_f, out_f, e):
+    blocks_shape, scales_shape = mxfp4.packed_shapes(in_f, out_f, e)
+    blocks = rng.integers(0, 256, size=blocks_shape, dtype=np.uint8)
+    scales = rng.integers(*SCALE_RANGE, size=scales_shape, dtype=np.uint8)
+    return blocks, scales
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """(float-expert dir, MXFP4 dir, the transformers model holding the MXFP4 dir's decoded weights)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    float_dir = tmp_path_factory.mktemp("gpt_oss_float")
+    hf_model = make_hf_target("gpt_oss", float_dir)
+    packed_dir = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    for f in float_dir.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, packed_dir / f.name)
+    tensors = load_file(str(float_dir / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    params = dict(hf_model.named_parameters())
+    for layer in range(hf_model.config.num_hidden_layers):
+        base = f"model.layers.{layer}.mlp.experts"
+        for fused in ("gate_up_proj", "down_proj"):
+            param = params[f"{base}.{fused}"]  # transformers' [E, in, out]: [E, H, 2I] / [E, I, H]
+            e, in_f, out_f = param.shape
+            blocks, scales = _pack(rng, in_f, out_f, e)
+            del tensors[f"{base}.{fused}"]
+            tensors[f"{base}.{fused}_blocks"], tensors[f"{base}.{fused}_scales"] = blocks, scales
+            decoded = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                 dtype=torch.float32)
+            assert tuple(decoded.shape) == tuple(param.shape)  # transformers' orientation is the parameter's
+            np.testing.assert_array_equal(decoded.numpy(), mxfp4.dequantize(blocks, scales))
+            with torch.no_grad():
+                param.copy_(decoded)
+    save_file(tensors, str(packed_dir / "model.safetensors"), metadata={"format": "pt"})
+    return float_dir, packed_dir, hf_model
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpts):
+    _, packed_dir, _ = ckpts
+    return load_target(packed_dir), load_target(packed_dir, mxfp4="packed")
+
+
+def _batch(vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=n) for n in PROMPT_LENGTHS]
+
+
+def _logits(config, params, rows):
+    t = max(len(r) for r in rows)
+    tokens = np.zeros((len(rows), t), np.int32)
+    valid = np.zeros((len(rows), t), bool)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)], valid[b, : len(r)] = r, True
+    positions = np.broadcast_to(np.arange(t), tokens.shape)
+    out = jax.jit(TargetModel(config).apply)({"params": params}, tokens, positions, valid=valid)
+    return np.asarray(out.logits)
+
+
+def test_packed_and_dequantized_logits_match_each_other_and_transformers(ckpts, loaded):
+    _, _, hf_model = ckpts
+    (config_d, params_d), (config_p, params_p) = loaded
+    assert config_d.experts.weight_format == "float" and config_p.experts.weight_format == "mxfp4"
+    rows = _batch(config_d.vocab_size)
+    ours_d = _logits(config_d, params_d, rows)
+    for path in ("dense", "grouped"):
+        with force_expert_path(path):
+            ours_p = _logits(config_p, params_p, rows)
+        np.testing.assert_allclose(ours_p, ours_d, atol=1e-5, rtol=0)
+    for b, r in enumerate(rows):
+        with torch.no_grad():
+            ref = hf_model(torch.tensor(r)[None]).logits[0].numpy()
+        np.testing.assert_allclose(ours_p[b, : len(r)], ref, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(ours_d[b, : len(r)], ref, atol=1e-4, rtol=0)
+
+
+def test_packed_params_are_uint8_at_4_25_bits_per_weight(loaded):
+    (_, params_d), (config_p, params_p) = loaded
+    flat_d, flat_p = flatten(params_d), flatten(params_p)
+    weights = ("gate_proj", "up_proj", "down_proj")
+    float_bytes = sum(v.nbytes for k, v in flat_d.items() if k[-2] == "experts" and k[-1] in weights)
+    packed = {k: v for k, v in flat_p.items() if k[-2] == "experts" and k[-1].endswith(("_blocks", "_scales"))}
+    assert len(packed) == 6 * config_p.num_hidden_layers
+    assert all(v.dtype == np.uint8 for v in packed.values())
+    assert not any(k[-1] in weights for k in flat_p)  # no float copy of the experts
+    assert sum(v.nbytes for v in packed.values()) / float_bytes == pytest.approx(4.25 / 32)  # float32 -> MXFP4
+    # Everything else (biases included) is the same float32 tensor either way.
+    rest = {k: v for k, v in flat_p.items() if k not in packed}
+    assert set(rest) == {k for k in flat_d if not (k[-2] == "experts" and k[-1] in weights)}
+    for k, v in rest.items():
+        assert v.dtype == np.float32
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(flat_d[k]))
+    # The abstract tree of the packed config declares the same uint8 shapes (jax.eval_shape of init).
+    abstract = flatten(abstract_target_params(config_p))
+    assert {k: (v.shape, v.dtype) for k, v in abstract.items()} == {k: (v.shape, v.dtype) for k, v in flat_p.items()}
+    # Rows of gate/up are the deinterleaved output features: gate = even rows of the stored gate_up blocks.
+    e, i = config_p.experts.num_experts, config_p.experts.intermediate_size
+    gate = flat_p[("layers_0", "mlp", "experts", "gate_proj_blocks")]
+    assert gate.shape == (e, i, config_p.hidden_size // 32, 16)
+
+
+def test_packed_params_have_sharding_rules(loaded):
+    _, (_, params_p) = loaded
+    assert sharding.logical_axes("layers_0/mlp/experts/gate_proj_blocks", 4) == ("experts", "mlp", None, None)
+    assert sharding.logical_axes("layers_0/mlp/experts/up_proj_scales", 3) == ("experts", "mlp", None)
+    assert sharding.logical_axes("layers_0/mlp/experts/down_proj_blocks", 4) == ("experts", "embed", None, None)
+    assert sharding.logical_axes("layers_0/mlp/experts/down_proj_scales", 3) == ("experts", "embed", None)
+    mesh = sharding.make_mesh(None, jax.devices()[:1])
+    sharding.tree_shardings(params_p, mesh)  # every packed leaf matches a rule
+
+
+def test_engine_greedy_tokens_identical_packed_vs_dequantized(loaded):
+    (config_d, params_d), (config_p, params_p) = loaded
+    batch = _batch(config_d.vocab_size, seed=2)
+    ours_d = Decoder(config_d, params_d).generate(batch, 16, baseline=True).tokens
+    ours_p = Decoder(config_p, params_p).generate(batch, 16, baseline=True).tokens
+    assert ours_p == ours_d
+    assert all(len(row) == 16 for row in ours_p)
+
+
+def test_packed_on_float_experts_is_one_clear_error(ckpts, loaded):
+    float_dir, _, _ = ckpts
+    with pytest.raises(CheckpointError) as err:
+        load_target(float_dir, mxfp4="packed")
+    message = str(err.value)
+    assert str(float_dir / "model.safetensors") in message
+    assert "tensor 'model.layers.0.mlp.experts." in message and "float expert weights" in message
+    assert "_blocks" in message and "mxfp4='dequantize'" in message
+    with pytest.raises(CheckpointError, match="mxfp4 must be one of"):
+        load_target(float_dir, mxfp4="fp4")
+    (config_d, _), (config_p, params_p) = loaded
+    qwen = dataclasses.replace(config_d, model_type="qwen3_moe")
+    with pytest.raises(CheckpointError, match="gpt-oss"):
+        with_mxfp4(qwen, "packed")
+    with pytest.raises(CheckpointError, match="mxfp4='dequantize' to save"):
+        save_target(config_p, params_p, float_dir.parent / "never_written")
+
+
+def test_float_checkpoint_still_loads_dequantize_default(ckpts):
+    float_dir, _, _ = ckpts
+    config, params = load_target(float_dir)
+    assert config.experts.weight_format == "float"
+    assert json.loads((float_dir / "config.json").read_text())["model_type"] == "gpt_oss"
+    assert flatten(params)[("layers_0", "mlp", "experts", "gate_proj")].dtype == np.float32
