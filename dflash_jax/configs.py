@@ -103,3 +103,54 @@ def load_pairing(path_or_name: str | Path, config_dir: str | Path = CONFIG_DIR) 
         detail = " ".join(str(e).split())
         raise ConfigError(f"{path}: not valid YAML ({detail})") from None
     return parse_pairing(raw, source=path)
+
+
+def write_hf_configs(path_or_name: str | Path, out_dir: str | Path, which: str = "target",
+                     config_dir: str | Path = CONFIG_DIR) -> Path:
+    """Write a pairing's ``target`` (or ``draft``) mapping as ``out_dir/config.json``, verbatim, and return its
+    path: a config-only checkpoint directory for what reads one (``python -m train plan --config RUN.yaml
+    --set target.path=out_dir`` plans a run on a target whose weights are not on this machine)."""
+    import json
+
+    if which not in ("target", "draft"):
+        raise ConfigError(f"which must be 'target' or 'draft', got {which!r}")
+    pairing = load_pairing(path_or_name, config_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.json"
+    path.write_text(json.dumps(pairing.raw[which], indent=2) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dflash_jax.configs NAME [--target-dir DIR] [--draft-dir DIR]``: check a pairing (load and
+    validate it, print its shapes) and optionally write its target's / draft's config.json."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dflash_jax.configs", description=main.__doc__)
+    parser.add_argument("pairing", nargs="?", help="a pairing name or YAML path (default: list the names)")
+    parser.add_argument("--target-dir", metavar="DIR", help="write the target's config.json into DIR")
+    parser.add_argument("--draft-dir", metavar="DIR", help="write the draft's config.json into DIR")
+    args = parser.parse_args(argv)
+    if args.pairing is None:
+        print("\n".join(available_pairings()))
+        return 0
+    try:
+        p = load_pairing(args.pairing)
+        t, d = p.target, p.draft
+        experts = (f", {t.experts.num_experts} experts top-{t.experts.top_k} of width {t.experts.intermediate_size}"
+                   if t.experts else "")
+        print(f"{p.name}: target {t.model_type}, {t.num_hidden_layers} layers, hidden {t.hidden_size}{experts}, "
+              f"vocab {t.vocab_size}; draft {d.num_hidden_layers} layers, block {d.block_size}, features of "
+              f"target layers {list(d.target_layer_ids)}, mask token {d.mask_token_id}")
+        for which, out in (("target", args.target_dir), ("draft", args.draft_dir)):
+            if out:
+                print(f"wrote {write_hf_configs(args.pairing, out, which)}")
+    except ConfigError as e:
+        print(f"error: {e}", flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,8 +15,9 @@ In one run, with jitted functions (compiled first; median of --repeats timed run
 Then it reports the bound tau * t(AR step) / (t(verify) + t(draft)), the oracle's bound without the draft
 tau * t(AR step) / t(verify), and each measured speedup against its matching bound.
 
-Models: --preset NAME (random weights from shapes: tiny, small, qwen3-8b, qwen3-4b) or --target DIR --ckpt DIR
-(real checkpoints). Prompts are --batch random token sequences of --context tokens.
+Models: --preset NAME (random weights from shapes: tiny, small, qwen3-8b, qwen3-4b, and the mixture-of-experts
+qwen3-coder-30b-a3b and gpt-oss-20b at their real widths with the target cut to a few layers, --target-layers)
+or --target DIR --ckpt DIR (real checkpoints). Prompts are --batch random token sequences of --context tokens.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def positive(name: str, minimum: int = 1):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    presets = "\n".join(f"  {name:9s} {preset_description(name)}" for name in PRESETS)
+    presets = "\n".join(f"  {name:19s} {preset_description(name)}" for name in PRESETS)
     parser = Parser(
         prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"Presets:\n{presets}\n\nExit codes: 0 success; 1 a greedy DFlash output differed from the "
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     models = parser.add_mutually_exclusive_group(required=True)
     models.add_argument("--preset", choices=PRESETS, metavar="NAME",
                         help=f"random-weight models built from shapes, one of: {', '.join(PRESETS)} (see below); "
-                             "qwen3-8b/qwen3-4b are for accelerators in bfloat16")
+                             "qwen3-8b/qwen3-4b (and the MoE presets at full depth) are for accelerators in "
+                             "bfloat16")
     models.add_argument("--target", metavar="DIR",
                         help="a real target: a Hugging Face directory, an Orbax checkpoint or a Hugging Face Hub "
                              "id such as Qwen/Qwen3-8B (the Hugging Face cache; a local path of the same name "
@@ -78,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with a Hub id as --ckpt: its branch, tag or commit (default: main)")
     parser.add_argument("--draft-layers", type=positive("--draft-layers"), metavar="N",
                         help="draft depth for the tiny/small presets (default: 1 for tiny, 2 for small)")
+    parser.add_argument("--target-layers", type=positive("--target-layers", 2), metavar="N",
+                        help="target depth for the cut mixture-of-experts presets (default: 2, which "
+                             "fits a 23 GB CPU in float32; the "
+                             "real depth, 48 or 24, measures the whole model); the draft keeps its depth")
+    parser.add_argument("--expert-path", choices=("auto", "dense", "grouped"), default="auto",
+                        help="how mixture-of-experts layers compute (models/experts.py): every expert on every "
+                             "token ('dense'), the routed (token, expert) pairs only ('grouped'), or by shape "
+                             "('auto', the engine's choice; default)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="parameter and compute dtype (default float32; on a CPU bfloat16 is about 6x slower, "
                              "use it on GPU/TPU)")
@@ -140,6 +150,8 @@ def load_models(args: argparse.Namespace):
             raise UsageError("--target needs --ckpt (the draft)")
         if args.draft_layers is not None:
             raise UsageError("--draft-layers applies to the tiny/small presets only")
+        if args.target_layers is not None:
+            raise UsageError("--target-layers applies to the cut presets only (qwen3-coder-30b-a3b, gpt-oss-20b)")
         from dflash_jax.checkpoints.loading import load_draft_any, load_target_any
 
         from dflash_jax.checkpoints.hub import resolve_checkpoint
@@ -151,10 +163,12 @@ def load_models(args: argparse.Namespace):
         return f"target {args.target}, draft {args.ckpt}", settings_of(args, dc.block_size), tc, tp, dc, dp
     if args.ckpt or args.revision or args.ckpt_revision:
         raise UsageError("--ckpt, --revision and --ckpt-revision go with --target, not with --preset")
-    _, dc = preset_configs(args.preset, args.block_size, args.draft_layers)
+    _, dc = preset_configs(args.preset, args.block_size, args.draft_layers, args.target_layers)
     settings = settings_of(args, dc.block_size)
-    tc, tp, dc, dp = preset_models(args.preset, args.block_size, settings.dtype, args.seed, args.draft_layers)
-    return f"preset {args.preset} (random weights: {preset_description(args.preset)})", settings, tc, tp, dc, dp
+    tc, tp, dc, dp = preset_models(args.preset, args.block_size, settings.dtype, args.seed, args.draft_layers,
+                                   args.target_layers)
+    title = f"preset {args.preset} (random weights: {preset_description(args.preset, args.target_layers)})"
+    return title, settings, tc, tp, dc, dp
 
 
 def speed_main(args: argparse.Namespace) -> int:
@@ -176,7 +190,12 @@ def speed_main(args: argparse.Namespace) -> int:
         mesh = make_mesh(args.mesh)
     log("building models ...")
     title, settings, tc, tp, dc, dp = load_models(args)
-    report = run_speed(tc, tp, dc, dp, settings, log=log, mesh=mesh)
+    if tc.experts is not None:
+        title += f"; expert path {args.expert_path}"
+    from dflash_jax.models.experts import force_expert_path
+
+    with force_expert_path(None if args.expert_path == "auto" else args.expert_path):  # read while tracing
+        report = run_speed(tc, tp, dc, dp, settings, log=log, mesh=mesh)
     report["models"]["source"] = title
     report["args"] = vars(args)
     report["wall_s"] = time.perf_counter() - t0

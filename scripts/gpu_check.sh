@@ -9,7 +9,11 @@
 #    attention "auto" = cuDNN);
 # 3. a round at 256 live tokens in a 16k-slot cache (the live-length claim on the device), with cuDNN and with
 #    the loop (does cuDNN skip the slots past each row's length? does the loop pay per trip?);
-# 4. XLA's memory analysis of long-prompt prefills at the 8B shapes (chunked prefill).
+# 4. XLA's memory analysis of long-prompt prefills at the 8B shapes (chunked prefill);
+# 5. the speed tool at the whole mixture-of-experts targets in bfloat16 (random weights, every layer: 48 for
+#    Qwen3-Coder-30B-A3B, 61 GB; 24 for gpt-oss-20b, 42 GB): verify(B) / AR step and the speedup bound, with the
+#    experts computed the engine's way (auto) and, for Qwen3-Coder's 128 experts, routed only (grouped).
+#    These add up to ~6 minutes more; run them alone with STEPS=moe.
 # Each step writes OUT_DIR/<step>.txt and prints its tail; a step that fails or runs out of time does not stop
 # the next.
 set -uo pipefail
@@ -30,6 +34,7 @@ step() {
 { nvidia-smi; python -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"; } \
   > "$OUT_DIR/machine.txt" 2>&1
 cat "$OUT_DIR/machine.txt"
+if [ "${STEPS:-all}" != moe ]; then
 step tests 180 python -m pytest -q -p no:cacheprovider tests/test_fused_attention.py tests/test_engine_greedy.py \
   tests/test_adaptive.py tests/test_replay.py tests/test_engine_sampling.py
 step speed-8b 120 python -m infer speed --preset qwen3-8b --dtype bfloat16 --context 1024 --new-tokens 256 --tau 6 \
@@ -39,3 +44,11 @@ for kernel in cudnn loop; do
     --cache-slots 16384 --new-tokens 32 --tau 6 --repeats 3 --attention "$kernel"
 done
 step prefill-memory 50 python scripts/prefill_memory.py --lengths 4096,16384,32768
+fi
+for path in auto grouped; do
+  step "speed-qwen3-coder-30b-a3b-$path" 150 python -m infer speed --preset qwen3-coder-30b-a3b --target-layers 48 \
+    --dtype bfloat16 --context 1024 --new-tokens 129 --tau 6 --repeats 5 --expert-path "$path" \
+    --json "$OUT_DIR/speed-qwen3-coder-30b-a3b-$path.json"
+done
+step speed-gpt-oss-20b 120 python -m infer speed --preset gpt-oss-20b --target-layers 24 --dtype bfloat16 \
+  --context 1024 --new-tokens 129 --tau 4 --repeats 5 --json "$OUT_DIR/speed-gpt-oss-20b.json"

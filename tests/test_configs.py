@@ -16,7 +16,8 @@ from dflash_jax.models.config import ConfigError
 from dflash_jax.models.draft_config import DraftConfig, default_target_layer_ids
 from draft_tiny import official_config
 
-SHIPPED = ["qwen3-8b-dflash-b16", "qwen3-4b-dflash-b16", "llama3.1-8b-instruct-dflash-b10", "tiny-test"]
+SHIPPED = ["qwen3-8b-dflash-b16", "qwen3-4b-dflash-b16", "llama3.1-8b-instruct-dflash-b10", "tiny-test",
+           "qwen3-coder-30b-a3b-dflash-b16", "gpt-oss-20b-dflash-b8", "gpt-oss-120b-dflash-b10"]
 
 
 def esc(path) -> str:
@@ -50,6 +51,19 @@ def test_every_shipped_config_is_listed_and_loads():
         assert p.raw["name"] == name
         assert p.draft.hidden_size == p.target.hidden_size
         assert p.draft.num_target_layers == p.target.num_hidden_layers
+
+
+@pytest.mark.parametrize("name", available_pairings())
+def test_every_pairing_file_loads_validates_and_has_shapes(name):
+    """Every file in configs/ (not only the listed ones): parsed, the draft validated against the target
+    (load_pairing does it), and both param trees buildable abstractly with the draft reading real layers."""
+    p, draft, target = shapes(name)
+    p.draft.validate_against(p.target)
+    assert draft[("fc", "kernel")] == (p.draft.num_features * p.target.hidden_size, p.draft.hidden_size)
+    assert {k[0] for k in target if k[0].startswith("layers_")} == {
+        f"layers_{i}" for i in range(p.target.num_hidden_layers)}
+    assert all(0 <= i < p.target.num_hidden_layers - 1 for i in p.draft.target_layer_ids)  # servable (SPEC 3)
+    assert p.hf_target is None or "/" in p.hf_target
 
 
 def test_load_by_path_and_by_name_with_suffix_agree():
@@ -139,6 +153,58 @@ def test_llama_pairing():
     assert draft[("layers_0", "mlp", "gate_proj", "kernel")] == (4096, 14336)
     assert target[("lm_head", "kernel")] == (4096, 128256)
     assert not any("q_norm" in k for k in target)
+
+
+def test_qwen3_coder_moe_pairing():
+    p, draft, target = shapes("qwen3-coder-30b-a3b-dflash-b16")
+    d, t = p.draft, p.target
+    assert t.model_type == "qwen3_moe" and t.qk_norm and not t.tie_word_embeddings and not t.qkv_bias
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.head_dim,
+            t.vocab_size, t.max_position_embeddings) == (2048, 48, 32, 4, 128, 151936, 262144)
+    e = t.experts
+    assert (e.num_experts, e.top_k, e.intermediate_size, e.norm_topk_prob, e.routing) == (
+        128, 8, 768, True, "softmax_topk")
+    assert t.expert_layers == tuple(range(48)) and t.rope.theta == 1e7 and t.eos_token_ids == (151645,)
+    assert target[("layers_47", "mlp", "experts", "gate_proj")] == (128, 2048, 768)
+    assert target[("layers_0", "mlp", "experts", "down_proj")] == (128, 768, 2048)
+    assert target[("layers_0", "mlp", "gate", "kernel")] == (2048, 128)
+    assert (d.num_hidden_layers, d.hidden_size, d.intermediate_size, d.num_attention_heads,
+            d.num_key_value_heads, d.head_dim, d.block_size) == (8, 2048, 6144, 32, 4, 128, 16)
+    assert d.target_layer_ids == (1, 12, 23, 34, 45) and d.mask_token_id == 151669
+    assert draft[("fc", "kernel")] == (5 * 2048, 2048)
+
+
+@pytest.mark.parametrize("name,layers,experts,block,ids", [
+    ("gpt-oss-20b-dflash-b8", 24, 32, 8, (1, 6, 11, 16, 21)),
+    ("gpt-oss-120b-dflash-b10", 36, 128, 10, (1, 9, 17, 25, 33)),
+])
+def test_gpt_oss_pairings(name, layers, experts, block, ids):
+    p, draft, target = shapes(name)
+    d, t = p.draft, p.target
+    assert t.model_type == "gpt_oss" and t.qkv_bias and t.o_bias and t.attention_sinks
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads, t.num_key_value_heads, t.head_dim,
+            t.vocab_size) == (2880, layers, 64, 8, 64, 201088)
+    assert t.layer_windows == (128, None) * (layers // 2)  # even layers slide over 128 tokens
+    e = t.experts
+    assert (e.num_experts, e.top_k, e.intermediate_size, e.routing, e.swiglu_limit) == (
+        experts, 4, 2880, "topk_softmax", 7.0)
+    r = t.rope
+    assert (r.rope_type, r.theta, r.factor, r.beta_fast, r.beta_slow, r.original_max_position_embeddings,
+            r.truncate) == ("yarn", 150000.0, 32.0, 32.0, 1.0, 4096, False)
+    assert p.raw["target"]["quantization_config"]["quant_method"] == "mxfp4"  # kept verbatim, accepted
+    assert target[("layers_0", "mlp", "experts", "gate_proj")] == (experts, 2880, 2880)
+    assert target[("layers_0", "self_attn", "sinks")] == (64,)
+    assert (d.num_hidden_layers, d.hidden_size, d.intermediate_size, d.num_attention_heads,
+            d.num_key_value_heads, d.head_dim, d.block_size, d.attention_bias) == (
+        8, 2880, 7680, 64, 8, 64, block, True)
+    assert d.target_layer_ids == ids and d.mask_token_id == 200000 and d.rope == t.rope
+    assert draft[("fc", "kernel")] == (5 * 2880, 2880)
+
+
+def test_moe_configs_say_what_is_assumed():
+    for name in ("qwen3-coder-30b-a3b-dflash-b16", "gpt-oss-20b-dflash-b8", "gpt-oss-120b-dflash-b10"):
+        text = (CONFIG_DIR / f"{name}.yaml").read_text()
+        assert "ASSUMED" in text and "Sources" in text and "config.json" in text
 
 
 def test_tiny_pairing_matches_the_test_draft():

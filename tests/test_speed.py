@@ -100,6 +100,11 @@ def test_plant_errors_every_tau_positions():
     ["--preset", "tiny", "--repeats", "x"],
     ["--preset", "tiny", "--ckpt", "somewhere"],
     ["--preset", "qwen3-8b", "--draft-layers", "2"],
+    ["--preset", "tiny", "--target-layers", "2"],
+    ["--preset", "gpt-oss-20b", "--target-layers", "25"],
+    ["--preset", "gpt-oss-20b", "--target-layers", "1"],
+    ["--preset", "qwen3-coder-30b-a3b", "--draft-layers", "2"],
+    ["--preset", "tiny", "--expert-path", "sparse"],
     ["--target", "/nonexistent/target"],
     ["--target", "/nonexistent/target", "--ckpt", "/nonexistent/draft"],
     ["--preset", "tiny", "--target", "x"],
@@ -115,5 +120,32 @@ def test_help_explains_every_flag(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     for flag in ("--preset", "--target", "--ckpt", "--batch", "--block-size", "--context", "--new-tokens", "--tau",
-                 "--dtype", "--repeats", "--json", "qwen3-8b", "small"):
+                 "--dtype", "--repeats", "--json", "qwen3-8b", "small", "--target-layers", "--expert-path",
+                 "qwen3-coder-30b-a3b", "gpt-oss-20b"):
         assert flag in out
+
+
+@pytest.mark.parametrize("name,pairing,layers", [("qwen3-coder-30b-a3b", "qwen3-coder-30b-a3b-dflash-b16", 2),
+                                                 ("gpt-oss-20b", "gpt-oss-20b-dflash-b8", 2)])
+def test_cut_moe_presets_keep_the_real_widths(name, pairing, layers):
+    """Configs only (no weights): the pairing's target cut to a few layers, everything else as released."""
+    from dflash_jax.configs import load_pairing
+    from dflash_jax.evaluation.speed import preset_configs, preset_description
+
+    full = load_pairing(pairing)
+    target, draft = preset_configs(name)
+    assert target.num_hidden_layers == layers == draft.num_target_layers
+    for field in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "experts",
+                  "rope", "attention_sinks", "model_type"):
+        assert getattr(target, field) == getattr(full.target, field)
+    assert target.expert_layers == tuple(range(layers))
+    assert target.layer_windows == full.target.layer_windows[:layers]
+    assert draft.num_features == full.draft.num_features and max(draft.target_layer_ids) == layers - 2
+    assert (draft.num_hidden_layers, draft.block_size, draft.hidden_size) == (
+        full.draft.num_hidden_layers, full.draft.block_size, full.draft.hidden_size)
+    draft.validate_against(target)
+    assert f"first {layers} of its {full.target.num_hidden_layers}" in preset_description(name)
+    deep, deep_draft = preset_configs(name, target_layers=full.target.num_hidden_layers)
+    assert deep == full.target and deep_draft == full.draft  # the whole model: the pairing itself
+    six, six_draft = preset_configs(name, target_layers=6)
+    assert six.num_hidden_layers == 6 and six_draft.target_layer_ids == (0, 1, 2, 3, 4)

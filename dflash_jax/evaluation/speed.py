@@ -86,27 +86,84 @@ PAIRING_PRESETS = {
     "qwen3-8b": "qwen3-8b-dflash-b16",
     "qwen3-4b": "qwen3-4b-dflash-b16",
 }
-PRESETS = tuple(SHAPE_PRESETS) + tuple(PAIRING_PRESETS)
 
 
-def preset_description(name: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class CutPreset:
+    """A pairing's target and draft at their real widths, heads, experts and vocabulary, the target cut to its
+    first ``target_layers`` layers (so that it fits a CPU's memory in float32); the draft keeps its own depth
+    and reads the same number of feature layers, spread over the cut target."""
+
+    pairing: str
+    target_layers: int
+    note: str
+
+
+CUT_PRESETS = {
+    "qwen3-coder-30b-a3b": CutPreset(
+        "qwen3-coder-30b-a3b-dflash-b16", 2,
+        "hidden 2048, 32/4 heads of 128, 128 experts top-8 of width 768, vocab 151936; draft 8 layers"),
+    "gpt-oss-20b": CutPreset(
+        "gpt-oss-20b-dflash-b8", 2,
+        "hidden 2880, 64/8 heads of 64, 32 experts top-4 of width 2880, sinks, window 128 on even layers, "
+        "vocab 201088; draft 8 layers, block 8"),
+}
+PRESETS = tuple(SHAPE_PRESETS) + tuple(PAIRING_PRESETS) + tuple(CUT_PRESETS)
+
+
+def preset_description(name: str, target_layers: int | None = None) -> str:
     if name in SHAPE_PRESETS:
         return SHAPE_PRESETS[name].description
+    if name in CUT_PRESETS:
+        c = CUT_PRESETS[name]
+        from dflash_jax.configs import load_pairing
+
+        full = load_pairing(c.pairing).target.num_hidden_layers
+        layers = c.target_layers if target_layers is None else target_layers
+        cut = "all" if layers == full else f"the first {layers}"
+        return (f"the real widths of configs/{c.pairing}.yaml, target cut to {cut} of its {full} layers "
+                f"({c.note}), random weights")
     return f"the real shapes of configs/{PAIRING_PRESETS[name]}.yaml (36 layers; draft 5 layers), random weights"
 
 
-def preset_configs(name: str, block_size: int | None = None,
-                   draft_layers: int | None = None) -> tuple[TargetConfig, DraftConfig]:
+def cut_target(target: TargetConfig, draft: DraftConfig, layers: int) -> tuple[TargetConfig, DraftConfig]:
+    """``target`` with only its first ``layers`` layers (the per-layer plan cut alike: expert layers, windows)
+    and ``draft`` re-pointed at it: as many feature layers as before, spread over layers ``0 .. layers-2``
+    (never the last one, which SGLang/vLLM cannot serve; repeated when the cut target has fewer layers than
+    the draft has features, which keeps the draft's fusion width). ``layers`` equal to the target's depth
+    returns both unchanged."""
+    full = target.num_hidden_layers
+    if not 2 <= layers <= full:
+        raise UserError(f"target layers must be between 2 and the target's {full}, got {layers}")
+    if layers == full:
+        return target, draft
+    cut = dataclasses.replace(
+        target, num_hidden_layers=layers,
+        expert_layers=tuple(i for i in target.expert_layers if i < layers),
+        layer_windows=target.layer_windows[:layers])
+    ids = tuple(int(i) for i in np.linspace(0, layers - 2, draft.num_features).round())
+    return cut, dataclasses.replace(draft, num_target_layers=layers, target_layer_ids=ids)
+
+
+def preset_configs(name: str, block_size: int | None = None, draft_layers: int | None = None,
+                   target_layers: int | None = None) -> tuple[TargetConfig, DraftConfig]:
     """Target and draft configs of a preset. Shape presets get a draft whose ``block_size`` is the requested
-    block (default 16); pairing presets keep the released draft's config (block 16)."""
-    if name in PAIRING_PRESETS:
+    block (default 16); pairing presets keep the released draft's config (block 16); cut presets keep the
+    pairing's draft and cut the target to ``target_layers`` (default: the preset's)."""
+    if target_layers is not None and name not in CUT_PRESETS:
+        raise UserError(f"target_layers applies to the cut presets ({', '.join(CUT_PRESETS)}), not to {name!r}")
+    if name in PAIRING_PRESETS or name in CUT_PRESETS:
         from dflash_jax.configs import load_pairing
 
         if draft_layers is not None:
             raise UserError(f"draft_layers applies to the shape presets ({', '.join(SHAPE_PRESETS)}), "
                              f"not to {name!r}, whose draft is the released one's shape")
-        pairing = load_pairing(PAIRING_PRESETS[name])
-        return pairing.target, pairing.draft
+        if name in PAIRING_PRESETS:
+            pairing = load_pairing(PAIRING_PRESETS[name])
+            return pairing.target, pairing.draft
+        c = CUT_PRESETS[name]
+        pairing = load_pairing(c.pairing)
+        return cut_target(pairing.target, pairing.draft, c.target_layers if target_layers is None else target_layers)
     if name not in SHAPE_PRESETS:
         raise UserError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
     p = SHAPE_PRESETS[name]
@@ -130,8 +187,9 @@ def preset_configs(name: str, block_size: int | None = None,
 
 
 def preset_models(name: str, block_size: int | None = None, dtype: Any = jnp.float32, seed: int = 0,
-                  draft_layers: int | None = None) -> tuple[TargetConfig, dict, DraftConfig, dict]:
-    target, draft = preset_configs(name, block_size, draft_layers)
+                  draft_layers: int | None = None,
+                  target_layers: int | None = None) -> tuple[TargetConfig, dict, DraftConfig, dict]:
+    target, draft = preset_configs(name, block_size, draft_layers, target_layers)
     if block_size is not None and not 2 <= block_size <= draft.block_size:
         raise UserError(f"block_size {block_size} must be between 2 and the draft's block_size {draft.block_size}")
     target_params = random_params(abstract_target_params(target, dtype), seed)

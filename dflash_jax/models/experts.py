@@ -5,7 +5,7 @@ target computes the same function as transformers' reference and DFlash stays lo
 the routed experts give the same result (tested against each other):
 
 - ``dense``: every expert on every token, then each token keeps its k outputs (an einsum over all experts).
-  Exact and simple; the cheaper path where ``tokens * num_experts`` is small (CPU tests, decoding one token).
+  Exact and simple; the cheaper path on CPU where ``tokens * num_experts`` is small (tests, decoding).
 - ``grouped``: the (token, k) pairs sorted by expert and one grouped matmul (``jax.lax.ragged_dot``) per
   projection, so the work follows ``tokens * top_k``: prefill and training at real sizes.
 
@@ -56,10 +56,16 @@ def force_expert_path(path: str | None):
 
 
 def expert_path(num_tokens: int, num_experts: int) -> str:
-    """The cheaper exact path for this many tokens (a static choice, made while tracing)."""
+    """The cheaper exact path for this many tokens (a static choice, made while tracing). On accelerators
+    always grouped: decoding is bound by reading weights, and the grouped matmul reads only the experts that
+    received tokens, while the dense path reads (and computes) all of them. On CPU, where XLA expands
+    ``ragged_dot`` into one product per expert over all rows, the dense path is cheaper up to
+    ``DENSE_LIMIT``; past it the grouped path bounds the ``[E, tokens, I]`` intermediates."""
     forced = _forced_path.get()
     if forced is not None:
         return forced
+    if jax.default_backend() != "cpu":
+        return "grouped"
     return "dense" if num_tokens * num_experts <= DENSE_LIMIT else "grouped"
 
 
