@@ -238,7 +238,10 @@ class DraftConfig:
     def for_target(cls, target: TargetConfig, num_layers: int = 5, block_size: int = 16,
                    mask_token_id: int | None = None, target_layer_ids: tuple[int, ...] | None = None) -> "DraftConfig":
         """A Qwen3-style draft shaped like ``target`` (the recipe of the released drafts): same width, heads,
-        head size, MLP size and RoPE; the mask token defaults to the last embedding row."""
+        head size, MLP size and RoPE; the mask token defaults to the last embedding row. For a mixture-of-experts
+        target the MLP size is its config's dense ``intermediate_size`` (Qwen3-MoE's dense-layer width, 6144 for
+        Qwen3-Coder-30B-A3B, as its released draft; gpt-oss's field is its expert width, 2880, while the
+        released gpt-oss drafts use 7680: give ``draft.intermediate_size`` in the run config)."""
         return cls(
             hidden_size=target.hidden_size, num_hidden_layers=num_layers,
             num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
