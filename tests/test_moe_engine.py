@@ -121,13 +121,14 @@ def test_a_trained_draft_accepts_well_above_one_and_stays_lossless(setup):
     assert any(1 < a < BLOCK for row in out.accept_lengths for a in row)  # partial acceptance happened
 
 
-def test_sampling_follows_the_target_distribution():
-    """DFlash sampling with a random draft on a gpt-oss target (sinks, window, experts) draws 3-token
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_sampling_follows_the_target_distribution(family):
+    """DFlash sampling with a random draft on each family's target (experts; gpt-oss: sinks, window) draws 3-token
     continuations from exactly the target's distribution: Pearson's chi-square over all 8^3 sequences,
     p > 1e-3 (the procedure and its control of tests/test_engine_sampling.py)."""
     from test_engine_sampling import NEW, PROMPT, SAMPLES, VOCAB, chi_square_p, exact_distribution
 
-    tc, tp = tiny_moe_target("gpt_oss", seed=3, vocab=VOCAB, scale=0.25)
+    tc, tp = tiny_moe_target(family, seed=3, vocab=VOCAB, scale=0.25)
     dc, dp = tiny_draft(vocab=VOCAB, block=4, seed=5)
     cfg = SamplingConfig(1.0)
     prop = DFlashProposer(dc, 4)
