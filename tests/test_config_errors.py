@@ -20,7 +20,6 @@ BASE = dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size
     (dict(rope_parameters="x"), "rope_parameters must be an object"),
     (dict(max_position_embeddings=None), "max_position_embeddings"),
     (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "'dynamic' is not supported"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "missing required field 'original_max_position_embeddings'"),
     (dict(model_type="mistral", sliding_window=4096), "sliding_window=4096 is not supported"),
     (dict(model_type="gemma"), "model_type 'gemma' is not supported"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),

@@ -231,7 +231,7 @@ def test_validate_against_errors_name_field_and_both_values(draft_overrides, tar
     ({"dflash_config": {"target_layer_ids": [], "mask_token_id": 5}}, r"target_layer_ids must be a non-empty list"),
     ({"dflash_config": "oops"}, r"'dflash_config' must be an object"),
     ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"rope type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, r"rope type 'dynamic' is not supported"),
 ])
 def test_from_dict_errors_name_field_and_value(overrides, pattern):
     with pytest.raises(ConfigError, match=r"^draft\.json: .*" + pattern):

@@ -11,6 +11,7 @@ The mask token fills the draft's block, so it must never be mistaken for output:
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,10 +87,12 @@ def test_the_last_rounds_draft_a_shorter_block(setup):
     assert out.tokens == [t[:max_new] for t in ar.tokens]
     shared = shared_head(tp, False)
     checked = 0
+    # Jitted (one compile per shape): op by op, the loops inside this forward take seconds per call.
+    target_features = jax.jit(lambda p, x, pos: TargetModel(tc).apply(
+        {"params": p}, x, pos, feature_layers=dc.target_layer_ids, skip_logits=True).features)
     for b, prompt in enumerate(prompts):
         sequence = prompt + out.tokens[b]
-        features = TargetModel(tc).apply({"params": tp}, jnp.asarray([sequence]), jnp.arange(len(sequence))[None],
-                                         feature_layers=dc.target_layer_ids, skip_logits=True).features
+        features = target_features(tp, jnp.asarray([sequence]), jnp.arange(len(sequence))[None])
         committed = 1  # the prefill's token
         for r, length in enumerate(out.accept_lengths[b]):
             left = max_new - committed  # tokens this round may still commit

@@ -25,6 +25,7 @@ Methods:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -93,9 +94,17 @@ def draft_logits(config: DraftConfig, params: dict, shared: SharedHead, context_
     """One round of the DFlash draft, for debugging and parity checks: the logits ``[B, block_size-1, V]``
     of the mask positions after ``anchor [B]`` (the last verified token, at position ``T``), given the raw
     target features ``[B, T, n*H]`` of the ``T`` verified positions before it (all valid). The engine's
-    rounds compute exactly this, with the context cached across rounds."""
+    rounds compute exactly this, with the context cached across rounds. Jitted (one compile per shape):
+    op by op, the attention loops inside the forward take seconds per call."""
     block = config.block_size if block_size is None else block_size
     DFlashProposer(config, block)  # validates the block size
+    return _round_logits(config, block, dtype, params, shared, jnp.asarray(context_features),
+                         jnp.asarray(anchor, jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _round_logits(config: DraftConfig, block: int, dtype: Any, params: dict, shared: SharedHead,
+                  context_features: jax.Array, anchor: jax.Array) -> jax.Array:
     b, t = context_features.shape[:2]
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     tokens = jnp.concatenate([jnp.asarray(anchor, jnp.int32)[:, None],
