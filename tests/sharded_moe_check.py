@@ -88,7 +88,31 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-out = {"devices": jax.device_count()}
+def sharded_loads():
+    """A gpt-oss Hugging Face directory (written by transformers) loaded straight into the shardings of an
+    8-device mesh, tensor by tensor: the same values as a one-device load, experts split over the expert
+    axis. None without torch (needed only to write the checkpoint)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    import tempfile
+    from pathlib import Path
+
+    from dflash_jax.checkpoints.loading import load_target_any
+    from hf_tiny import make_hf_target
+
+    mesh = sharding.make_mesh("data=2,tensor=2,expert=2")
+    with tempfile.TemporaryDirectory() as tmp:
+        make_hf_target("gpt_oss", Path(tmp))
+        _, one = load_target_any(tmp)
+        _, sharded = load_target_any(tmp, mesh=mesh)
+        specs = sorted({str(x.sharding.spec) for path, x in jax.tree_util.tree_leaves_with_path(sharded)
+                        if "experts" in jax.tree_util.keystr(path)})
+        return {"max_diff": max_diff(sharded, one), "expert_specs": specs}
+
+
+out = {"devices": jax.device_count(), "sharded_load": sharded_loads()}
 for family in ("qwen3_moe", "gpt_oss"):
     runs, specs = engine_runs(family)
     train = {}

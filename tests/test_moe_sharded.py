@@ -2,7 +2,8 @@
 MLPs over ``tensor``, rows over ``data``/``fsdp``) give the same tokens and acceptance lengths as one device
 (DFlash with a random draft, planted acceptance), and the same train step: loss 1e-6 relative, gradients
 1e-5 absolute (measured 2.3e-6 on gpt-oss, whose sinks and experts give larger activations; 5e-7 on
-Qwen3-MoE), updated params 1e-5 absolute (the other tolerances of tests/test_train_step.py). Runs
+Qwen3-MoE), updated params 1e-5 absolute (the other tolerances of tests/test_train_step.py); a gpt-oss
+checkpoint loaded straight into the mesh's shardings equals a one-device load exactly. Runs
 tests/sharded_moe_check.py in a subprocess (the device count is fixed when JAX starts)."""
 
 import json
@@ -21,6 +22,9 @@ def test_sharded_moe_targets_equal_one_device():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["devices"] == 8
+    if out["sharded_load"] is not None:  # written by transformers when torch is installed
+        assert out["sharded_load"]["max_diff"] == 0.0
+        assert all("expert" in s for s in out["sharded_load"]["expert_specs"]), out["sharded_load"]
     for family in ("qwen3_moe", "gpt_oss"):
         runs = out[family]["runs"]
         for key, run in runs.items():
