@@ -50,10 +50,8 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"experts/down_proj_bias$", ("experts", "embed")),
     # gpt-oss's MXFP4 experts kept packed (models/mxfp4): blocks [E, out, in/32, 16], scales [E, out, in/32];
     # the rows are the output features, and the packed input axis stays whole (its bytes are decoded together).
-    (r"experts/(gate|up)_proj_blocks$", ("experts", "mlp", None, None)),
-    (r"experts/(gate|up)_proj_scales$", ("experts", "mlp", None)),
-    (r"experts/down_proj_blocks$", ("experts", "embed", None, None)),
-    (r"experts/down_proj_scales$", ("experts", "embed", None)),
+    (r"experts/(gate|up|down)_proj_blocks$", ("experts", "packed_rows", None, None)),
+    (r"experts/(gate|up|down)_proj_scales$", ("experts", "packed_rows", None)),
     (r"shared_expert_gate/kernel$", ("embed", None)),
     (r"self_attn/sinks$", ("heads",)),
     (r"norm/weight$", ("norm",)),  # every RMSNorm (layer norms, q/k norms, final and hidden norms)
@@ -67,6 +65,9 @@ LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "experts": "expert",
+    # Packed MXFP4 rows (output features) over every weight-splitting axis: the input axis is stored in groups
+    # of 32 (90 groups for gpt-oss's 2880), which 8 devices do not divide; decoded weights are gathered at use.
+    "packed_rows": ("fsdp", "tensor"),
     "features": None,
     "norm": None,
     "length": None,

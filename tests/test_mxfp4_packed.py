@@ -140,10 +140,15 @@ def test_packed_params_are_uint8_at_4_25_bits_per_weight(loaded):
 
 def test_packed_params_have_sharding_rules(loaded):
     _, (_, params_p) = loaded
-    assert sharding.logical_axes("layers_0/mlp/experts/gate_proj_blocks", 4) == ("experts", "mlp", None, None)
-    assert sharding.logical_axes("layers_0/mlp/experts/up_proj_scales", 3) == ("experts", "mlp", None)
-    assert sharding.logical_axes("layers_0/mlp/experts/down_proj_blocks", 4) == ("experts", "embed", None, None)
-    assert sharding.logical_axes("layers_0/mlp/experts/down_proj_scales", 3) == ("experts", "embed", None)
+    for name in ("gate", "up", "down"):
+        assert sharding.logical_axes(f"layers_0/mlp/experts/{name}_proj_blocks", 4) == (
+            "experts", "packed_rows", None, None)
+        assert sharding.logical_axes(f"layers_0/mlp/experts/{name}_proj_scales", 3) == ("experts", "packed_rows", None)
+    # gpt-oss-120b's gate blocks [128, 2880, 90, 16] on fsdp=8: the rows split (90 input groups would not).
+    from jax.sharding import PartitionSpec
+    abstract_mesh = jax.sharding.AbstractMesh((1, 8, 1, 1), sharding.MESH_AXES)
+    assert sharding.spec_for((128, 2880, 90, 16), ("experts", "packed_rows", None, None), abstract_mesh) == \
+        PartitionSpec(None, "fsdp", None, None)
     mesh = sharding.make_mesh(None, jax.devices()[:1])
     sharding.tree_shardings(params_p, mesh)  # every packed leaf matches a rule
 
