@@ -38,7 +38,9 @@ from dflash_jax.models.config import ExpertsConfig
 from dflash_jax.models.layers import MLP
 
 GPT_OSS_ALPHA = 1.702  # gpt-oss's GLU uses x * sigmoid(1.702 x)
-DENSE_LIMIT = 4096  # tokens * experts up to which computing every expert beats sorting (measured on CPU)
+# tokens * experts up to which CPU takes the dense path: a round number, not a measured crossover (measured on
+# this project's 2-core CPU at 1,280 tokens x 4 experts: dense 8.8 ms, grouped 10.4 ms for a 4-layer target).
+DENSE_LIMIT = 4096
 
 _forced_path: contextvars.ContextVar[str | None] = contextvars.ContextVar("expert_path", default=None)
 
