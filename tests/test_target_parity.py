@@ -1,12 +1,14 @@
 """Target decoder vs the PyTorch reference in transformers, on tiny random configs.
 
-Tolerances (fp32, CPU): logits and every layer's feature within 1e-4 absolute of transformers' own
-``output_hidden_states`` (``hidden_states[i + 1]`` for layer ``i``, the last one after the final norm); cached
+Tolerances (fp32, CPU): logits and every layer's feature within 1e-4 (absolute, times the reference's largest
+magnitude where that exceeds 1: ``scaled_error``) of transformers' own ``output_hidden_states`` (``hidden_states[i + 1]`` for layer ``i``, the last one after the final norm); cached
 extension vs one full forward within 1e-5 absolute plus 1e-5 relative (gpt-oss's features reach ~3 after
 three expert layers; the online softmax over cache chunks rounds differently from one joint softmax);
 greedy continuations identical token for token. Families: LLaMA-3 (llama3 rope), Qwen3 tied/untied, Qwen2,
-Qwen3-MoE (a dense layer among routed ones) and gpt-oss (sliding window shorter than the prompts, sinks,
-biases, YaRN).
+Qwen3-MoE (a dense layer among routed ones), gpt-oss (sliding window shorter than the prompts, sinks,
+biases, YaRN) and the hybrids Qwen3.5, Qwen3.5-MoE and Qwen3-Next (Gated DeltaNet layers, gated attention
+with partial RoPE, zero-centred norms, shared experts; Qwen3-Next's last layer is a linear one), whose
+cached extension is held to 5e-5 (see ``EXTENSION_TOL_HYBRID``).
 """
 
 import functools
@@ -24,6 +26,9 @@ from hf_tiny import VARIANTS, make_hf_target  # noqa: E402
 
 PROMPT_LENGTHS = (5, 11, 17)
 TOL = 1e-4
+# Hybrid targets: the cached extension runs the delta rule as one chunk per call, the full forward as 64-token
+# chunks (or step by step); the three forms round differently by ~1e-5 relative after four layers.
+EXTENSION_TOL_HYBRID = 5e-5
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -37,6 +42,12 @@ def pair(request, tmp_path_factory):
 def prompts(vocab, seed=0):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, size=n) for n in PROMPT_LENGTHS]
+
+
+def scaled_error(ours, ref):
+    """Max absolute error, relative to the reference's magnitude where that exceeds 1 (float32 rounding grows
+    with it: the hybrids' features reach ~10 in these random models)."""
+    return float(np.abs(ours - ref).max() / max(1.0, np.abs(ref).max()))
 
 
 def hf_forward(hf_model, ids):
@@ -64,10 +75,11 @@ def test_batched_logits_and_features_match_transformers(pair):
     for b, r in enumerate(rows):
         ref_logits, ref_hidden = hf_forward(hf_model, r)
         assert len(ref_hidden) == len(layers) + 1
-        worst_logit = max(worst_logit, np.abs(np.asarray(out.logits)[b, : len(r)] - ref_logits).max())
+        worst_logit = max(worst_logit, scaled_error(np.asarray(out.logits)[b, : len(r)], ref_logits))
         for i in layers:  # every layer, the last included (SPEC section 3)
-            worst_feat = max(worst_feat, np.abs(feats[b, : len(r), i] - ref_hidden[i + 1]).max())
-    print(f"{name}: max |logits - hf| = {worst_logit:.2e}, max |feature - hf hidden_states[i+1]| = {worst_feat:.2e}")
+            worst_feat = max(worst_feat, scaled_error(feats[b, : len(r), i], ref_hidden[i + 1]))
+    print(f"{name}: logits vs hf {worst_logit:.2e}, features vs hf hidden_states[i+1] {worst_feat:.2e} "
+          "(max abs error / max(1, max |hf|))")
     assert worst_logit <= TOL
     assert worst_feat <= TOL
 
@@ -97,8 +109,9 @@ def test_prefill_then_extension_equals_full_forward(pair):
         feats.append(out.features)
         cache = out.cache
     np.testing.assert_array_equal(np.asarray(cache.lengths), [t] * len(rows))
-    np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.concatenate(feats, 1), full.features, atol=1e-5, rtol=1e-5)
+    tol = EXTENSION_TOL_HYBRID if config.linear_layers else 1e-5
+    np.testing.assert_allclose(np.concatenate(logits, 1), full.logits, atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.concatenate(feats, 1), full.features, atol=tol, rtol=tol)
 
 
 def test_greedy_continuation_matches_generate(pair):

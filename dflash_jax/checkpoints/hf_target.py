@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from dflash_jax.checkpoints.expert_layouts import (
 )
 from dflash_jax.checkpoints.safetensors_io import (
     CheckpointError,
+    Derived,
     SafetensorsDir,
     flatten,
     unflatten,
@@ -30,9 +32,19 @@ from dflash_jax.checkpoints.safetensors_io import (
     save_tensors,
 )
 from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.gated_deltanet import join_qwen3_next_projections, split_qwen3_next_projections
 from dflash_jax.models.target import TargetModel
 from dflash_jax.precision import resolve_dtype
 
+log = logging.getLogger(__name__)
+
+# Multimodal checkpoints (Qwen3.5/3.6) keep the language model under this prefix, next to the vision tower
+# and the multi-token-prediction head, which a text target does not use.
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+UNUSED_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token prediction head"}
+# Families whose Gated DeltaNet checkpoints fuse the input projections per key head (Qwen3-Next).
+GROUPED_LINEAR_PROJECTIONS = ("qwen3_next",)
+SPLIT_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
 def abstract_target_params(config: TargetConfig, dtype: Any = jnp.float32) -> dict:
@@ -69,13 +81,15 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
     config = with_mxfp4(TargetConfig.from_json(path / "config.json"), mxfp4, str(path))
     dtype = resolve_dtype(dtype)
     source = SafetensorsDir(path)
-    prefix = "model." if any(k.startswith("model.") for k in source.keys()) else ""
+    prefix = _weight_prefix(source)
     abstract = abstract_target_params(config, dtype if dtype is not None else jnp.float32)
     mirror = target_key_of(prefix)
 
     def key_of(param_path):
         if is_expert_param(param_path):
             return expert_rule(config, source, prefix, param_path)
+        if config.model_type in GROUPED_LINEAR_PROJECTIONS and param_path[-2] in SPLIT_PROJECTIONS:
+            return _grouped_projection_rule(config, prefix, param_path)
         return mirror(param_path)
 
     def put(param_path, arr):
@@ -89,6 +103,34 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
     return config, params
 
 
+def _weight_prefix(source: SafetensorsDir) -> str:
+    """``model.language_model.`` (multimodal Qwen3.5; its unused towers are noted in the log), ``model.``
+    (``*ForCausalLM``) or none (a bare ``*Model``)."""
+    keys = source.keys()
+    if any(k.startswith(LANGUAGE_MODEL_PREFIX) for k in keys):
+        for unused, what in UNUSED_PREFIXES.items():
+            n = sum(k.startswith(unused) for k in keys)
+            if n:
+                log.info("%s: skipping %d tensor(s) of the %s (%s*): a text target does not use them",
+                         source.path, n, what, unused)
+        return LANGUAGE_MODEL_PREFIX
+    return "model." if any(k.startswith("model.") for k in keys) else ""
+
+
+def _grouped_projection_rule(config: TargetConfig, prefix: str, path: tuple[str, ...]) -> Derived:
+    """Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head) -> this layer's split kernel."""
+    la = config.linear_attention
+    layer = int(path[0].split("_")[1])
+    base = f"{prefix}layers.{layer}.linear_attn"
+    r = la.num_v_heads // la.num_k_heads
+    shapes = ((la.num_k_heads * (2 * la.head_k_dim + 2 * r * la.head_v_dim), config.hidden_size),
+              (2 * la.num_v_heads, config.hidden_size))
+    name = path[-2]
+    return Derived(keys=(f"{base}.in_proj_qkvz.weight", f"{base}.in_proj_ba.weight"), shapes=shapes,
+                   build=lambda arrays: split_qwen3_next_projections(arrays[0], arrays[1], la)[name].T,
+                   name=f"{base}.{name}")
+
+
 def save_target(config: TargetConfig, params: dict, out_dir: str | Path, dtype: Any = None) -> Path:
     """Write a Hugging Face directory (``model.`` prefixed keys, 4.x-style config) loadable by transformers."""
     out_dir = Path(out_dir)
@@ -100,6 +142,12 @@ def save_target(config: TargetConfig, params: dict, out_dir: str | Path, dtype: 
                               "load the target with mxfp4='dequantize' to save it")
     tensors = params_to_tensors(unflatten({path: leaf for path, leaf in flatten(params).items()
                                            if path not in experts}), target_key_of("model."), dtype=dtype)
+    if config.model_type in GROUPED_LINEAR_PROJECTIONS:
+        for layer in config.linear_layers:
+            base = f"model.layers.{layer}.linear_attn"
+            split = {name: tensors.pop(f"{base}.{name}.weight") for name in SPLIT_PROJECTIONS}
+            for name, arr in join_qwen3_next_projections(split, config.linear_attention).items():
+                tensors[f"{base}.{name}.weight"] = arr
     for layer in sorted({path[0] for path in experts}):
         layer_params = {path[-1]: leaf for path, leaf in experts.items() if path[0] == layer}
         exported = export_expert_tensors(config, layer_params, "model.", int(layer.split("_")[1]))

@@ -21,7 +21,7 @@ from dflash_jax.engine import adaptive
 from dflash_jax.engine.sampling import SamplingConfig, accept_greedy, accept_sampling, select
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
-from dflash_jax.models.cache import KVCache
+from dflash_jax.models.cache import KVCache, LinearState
 from dflash_jax.models.attention_kernels import check_attention_kernel
 from dflash_jax.models.target import TargetModel, TargetOutput, init_cache
 from dflash_jax.precision import with_precision_policy
@@ -89,18 +89,23 @@ def _is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
 
 def _sharded_caches(tree: Any, mesh: Any) -> Any:
     """Every ``KVCache`` in ``tree`` laid out by the sharding rules (``[batch, kv_heads, slots, head_dim]``:
-    batch over data x fsdp, KV heads over tensor; dimensions a mesh axis does not divide replicate)."""
+    batch over data x fsdp, KV heads over tensor; a linear layer's state by ``LinearState.AXES``, its value
+    heads over tensor; dimensions a mesh axis does not divide replicate)."""
     if mesh is None:
         return tree
     from dflash_jax import sharding
 
+    def put(a, axes):
+        return jax.lax.with_sharding_constraint(a, sharding.NamedSharding(mesh, sharding.spec_for(a.shape, axes, mesh)))
+
     def constrain(x):
         if not isinstance(x, KVCache):
             return x
-        spec = lambda a: sharding.NamedSharding(  # noqa: E731
-            mesh, sharding.spec_for(a.shape, ("batch", "kv_heads", None, None), mesh))
-        return x.replace(keys=tuple(jax.lax.with_sharding_constraint(k, spec(k)) for k in x.keys),
-                         values=tuple(jax.lax.with_sharding_constraint(v, spec(v)) for v in x.values))
+        kv = ("batch", "kv_heads", None, None)
+        linear = tuple(state.replace(**{name: put(getattr(state, name), axes)
+                                        for name, axes in LinearState.AXES.items()}) for state in x.linear)
+        return x.replace(keys=tuple(put(k, kv) for k in x.keys), values=tuple(put(v, kv) for v in x.values),
+                         linear=linear)
 
     return jax.tree.map(constrain, tree, is_leaf=lambda x: isinstance(x, KVCache))
 
@@ -115,7 +120,7 @@ def prefill(
     b, p = prompts.shape
     block = proposer.block_size
     target = TargetModel(target_config, dtype)
-    cache = _sharded_caches(init_cache(target_config, b, slots, dtype), settings.mesh)
+    cache = _sharded_caches(init_cache(target_config, b, slots, dtype, extension=block), settings.mesh)
     proposer_state = _sharded_caches(proposer_state, settings.mesh)
     # Prompts wider than prefill_chunk go through in chunks (a lax.scan over equal slices: the prompt width
     # is a power of two): each chunk writes its keys/values and hands its features to the proposer, so

@@ -6,6 +6,13 @@ reads the cache in place (``[batch, slots, ...]`` made it transpose a full copy 
 and value of the token at absolute position ``s``; ``lengths[b]`` counts the committed slots of row ``b``.
 Rejecting speculated tokens is just lowering ``lengths``: the stale slots are never visible (the attention
 mask hides slots at or past the length) and are overwritten by the next write.
+
+Hybrid targets (Qwen3-Next, Qwen3.5) keep, for each Gated DeltaNet layer, a ``LinearState`` instead of
+keys and values, with the same contract: the state of a row IS a function of its length. A linear layer
+cannot overwrite a slot, so it keeps the state before its last extension (``start``) plus what that
+extension computed, and the state after the row's first ``lengths - start`` tokens of it is formed when the
+next forward needs it (``models/gated_deltanet.py``). Lowering ``lengths`` after a verified block therefore
+rolls the recurrent and conv states back to the accepted prefix, exactly, at no cost in the round.
 """
 
 from __future__ import annotations
@@ -16,10 +23,50 @@ import jax.numpy as jnp
 
 
 @flax.struct.dataclass
+class LinearState:
+    """One Gated DeltaNet layer's decode state: the state before the last extension, and that extension's
+    terms (``W`` = the widest extension kept, the verify block; wider ones, prefill chunks, are folded into
+    the base at once and leave nothing pending). Only ``lengths`` says how much of the extension a row keeps.
+    Pending positions past a row's valid tokens hold zeros (they change nothing)."""
+
+    conv: jax.Array  # [B, K - 1, conv_dim] the last K - 1 pre-conv inputs before ``start`` (compute dtype)
+    recurrent: jax.Array  # [B, Hv, dk, dv] float32: the delta-rule state before ``start``
+    start: jax.Array  # [B] int32: the position of the extension's first token
+    inputs: jax.Array  # [B, W, conv_dim] the extension's pre-conv inputs
+    keys: jax.Array  # [B, W, Hv, dk] float32: its normalised keys, repeated to the value heads
+    deltas: jax.Array  # [B, W, Hv, dv] float32: its delta-rule updates (``beta (v - S^T k)``)
+    decay: jax.Array  # [B, W, Hv] float32: cumulative log decay from ``start`` through each position
+
+    @classmethod
+    def create(cls, batch: int, width: int, conv_kernel: int, conv_dim: int, heads: int, head_k_dim: int,
+               head_v_dim: int, dtype=jnp.float32) -> "LinearState":
+        f32 = jnp.float32
+        return cls(conv=jnp.zeros((batch, conv_kernel - 1, conv_dim), dtype),
+                   recurrent=jnp.zeros((batch, heads, head_k_dim, head_v_dim), f32),
+                   start=jnp.zeros((batch,), jnp.int32), inputs=jnp.zeros((batch, width, conv_dim), dtype),
+                   keys=jnp.zeros((batch, width, heads, head_k_dim), f32),
+                   deltas=jnp.zeros((batch, width, heads, head_v_dim), f32),
+                   decay=jnp.zeros((batch, width, heads), f32))
+
+    @property
+    def width(self) -> int:
+        return self.inputs.shape[1]
+
+    # Logical axes per leaf for the sharding rules: rows over the data axes, value heads over tensor.
+    AXES = dict(conv=("batch", None, None), recurrent=("batch", "kv_heads", None, None), start=("batch",),
+                inputs=("batch", None, None), keys=("batch", None, "kv_heads", None),
+                deltas=("batch", None, "kv_heads", None), decay=("batch", None, "kv_heads"))
+
+
+@flax.struct.dataclass
 class KVCache:
-    keys: tuple[jax.Array, ...]  # per layer [batch, kv_heads, slots, head_dim]
+    """The target's (and the draft's) decode cache: keys and values of the attention layers, in layer order,
+    the linear layers' states (hybrid targets; empty otherwise) and each row's committed length."""
+
+    keys: tuple[jax.Array, ...]  # per attention layer [batch, kv_heads, slots, head_dim]
     values: tuple[jax.Array, ...]
     lengths: jax.Array  # [batch] int32
+    linear: tuple[LinearState, ...] = ()  # per Gated DeltaNet layer, in layer order
 
     @classmethod
     def create(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype=jnp.float32):

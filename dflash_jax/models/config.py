@@ -1,8 +1,10 @@
 """Target model configuration, parsed from a Hugging Face ``config.json``.
 
-One decoder implementation covers LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE and gpt-oss. A family is a small
-set of differences from the dense decoder: attention flags, a per-layer plan (which layers route through
-experts, which attend through a sliding window) and an :class:`ExpertsConfig`. Each family's reader below
+One decoder implementation covers LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss and the hybrid
+Qwen3-Next / Qwen3.5 / Qwen3.6. A family is a small set of differences from the dense decoder: attention
+flags, a per-layer plan (which layers mix tokens by softmax attention or by Gated DeltaNet linear attention,
+which route through experts, which attend through a sliding window), an :class:`ExpertsConfig` and a
+:class:`GatedDeltaNetConfig`. Each family's reader below
 (``FAMILIES``) turns its Hugging Face fields into those differences. Anything this implementation does not
 compute exactly is refused with an error that names the file and the field, because a silently different
 model would break losslessness downstream.
@@ -253,6 +255,38 @@ class ExpertsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GatedDeltaNetConfig:
+    """Sizes of one Gated DeltaNet layer (HF: ``linear_num_key_heads``, ``linear_num_value_heads``,
+    ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim``, ``rms_norm_eps``)."""
+
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"num_v_heads ({self.num_v_heads}) must be a multiple of num_k_heads "
+                             f"({self.num_k_heads})")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: the concatenated ``[q | k | v]`` (``2 * key_dim + value_dim``)."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetConfig:
     """Everything the target decoder needs; hashable so it can be a static argument of ``jax.jit``."""
 
@@ -282,15 +316,35 @@ class TargetConfig:
     layer_windows: tuple[int | None, ...] = ()
     attention_sinks: bool = False  # gpt-oss: one learned logit per head joins every softmax's denominator
     norm_weight_in_float32: bool = False  # gpt-oss multiplies the RMSNorm weight before casting back
+    # Hybrid targets (Qwen3-Next, Qwen3.5/3.6). ``linear_layers``: the layers whose token mixer is a Gated
+    # DeltaNet (``linear_attention``) instead of softmax attention; their sizes in ``linear_attention``.
+    linear_layers: tuple[int, ...] = ()
+    linear_attention: GatedDeltaNetConfig | None = None
+    attention_output_gate: bool = False  # q_proj also yields a per-head gate: out * sigmoid(gate) before o_proj
+    rotary_dim: int = 0  # RoPE rotates the first ``rotary_dim`` dims of each head (partial rotary); 0 = all
+    zero_centered_norms: bool = False  # RMSNorm scales by (1 + w): the stored w starts at 0
 
     def is_expert_layer(self, i: int) -> bool:
         return i in self.expert_layers
+
+    def is_linear_layer(self, i: int) -> bool:
+        return i in self.linear_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The softmax-attention layers, in order: the ones with a key/value cache."""
+        return tuple(i for i in range(self.num_hidden_layers) if i not in self.linear_layers)
+
+    @property
+    def rotary_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     def window(self, i: int) -> int | None:
         return self.layer_windows[i] if self.layer_windows else None
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "config") -> "TargetConfig":
+        cfg, source = _text_config(cfg, source)
         model_type = cfg.get("model_type")
         if model_type not in FAMILIES:
             raise ConfigError(
@@ -362,7 +416,24 @@ class TargetConfig:
                        layer_types=["full_attention" if w is None else "sliding_attention"
                                     for w in self.layer_windows],
                        sliding_window=next((w for w in self.layer_windows if w is not None), None))
+        if self.linear_layers:
+            la = self.linear_attention
+            out.update(layer_types=["linear_attention" if self.is_linear_layer(i) else "full_attention"
+                                    for i in range(self.num_hidden_layers)],
+                       linear_num_key_heads=la.num_k_heads, linear_num_value_heads=la.num_v_heads,
+                       linear_key_head_dim=la.head_k_dim, linear_value_head_dim=la.head_v_dim,
+                       linear_conv_kernel_dim=la.conv_kernel, partial_rotary_factor=self.rotary_dims / self.head_dim)
+            if e is not None:
+                out.update(num_experts=e.num_experts, num_experts_per_tok=e.top_k,
+                           moe_intermediate_size=e.intermediate_size, norm_topk_prob=e.norm_topk_prob,
+                           shared_expert_intermediate_size=e.shared_intermediate_size)
+            if self.model_type == "qwen3_next":
+                out.update(decoder_sparse_step=1, mlp_only_layers=[
+                    i for i in range(self.num_hidden_layers) if i not in self.expert_layers])
         out.update(rope_to_hf(self.rope))
+        if self.rotary_dim:
+            out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope.theta,
+                                      "partial_rotary_factor": self.rotary_dims / self.head_dim}
         return out
 
 
@@ -409,19 +480,25 @@ def _top_k(cfg: Mapping[str, Any], source: str, num_experts: int) -> int:
     return int_field(cfg, "num_experts_per_tok", source, maximum=num_experts)
 
 
-def _qwen3_moe_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
-    """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B): Qwen3 attention; layer i routes through experts iff
-    it is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``."""
-    _check_silu(cfg, source)
-    _no_sliding_window(cfg, source)
-    num_experts = _num_experts(cfg, source)
+def _sparse_layers(cfg: Mapping[str, Any], source: str, num_layers: int) -> tuple[int, ...]:
+    """Layer i routes through experts iff it is not in ``mlp_only_layers`` and ``(i + 1) %
+    decoder_sparse_step == 0`` (Qwen3-MoE, Qwen3-Next)."""
     step = int_field(cfg, "decoder_sparse_step", source, 1)
     dense_only = cfg.get("mlp_only_layers") or []
     if not isinstance(dense_only, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in dense_only):
         raise ConfigError(f"{source}: field 'mlp_only_layers' must be a list of layer indices in "
                           f"0..{num_layers - 1}, got {dense_only!r}")
-    expert_layers = tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+    return tuple(i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0)
+
+
+def _qwen3_moe_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B): Qwen3 attention; layer i routes through experts iff
+    it is not in ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``."""
+    _check_silu(cfg, source)
+    _no_sliding_window(cfg, source)
+    num_experts = _num_experts(cfg, source)
+    expert_layers = _sparse_layers(cfg, source, num_layers)
     attention_bias = bool_field(cfg, "attention_bias", source, False)
     return dict(
         # The dense layers' width; a config whose every layer is sparse may omit it.
@@ -467,11 +544,114 @@ def _gpt_oss_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dic
     )
 
 
+def _layer_types(cfg: Mapping[str, Any], source: str, num_layers: int) -> list[str]:
+    """Qwen3-Next / Qwen3.5 ``layer_types`` (or, absent, every ``full_attention_interval``-th layer full)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int_field(cfg, "full_attention_interval", source, 4)
+        return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    allowed = {"linear_attention", "full_attention"}
+    if not isinstance(types, list) or len(types) != num_layers or not all(
+            isinstance(t, str) and t in allowed for t in types):
+        raise ConfigError(f"{source}: field 'layer_types' must list 'linear_attention' or 'full_attention' for "
+                          f"each of the {num_layers} layers, got {types!r}")
+    return types
+
+
+def _partial_rotary_dim(cfg: Mapping[str, Any], source: str, head_dim: int) -> int:
+    """The rotated dims per head: ``partial_rotary_factor`` (in ``rope_parameters`` or top level) x head_dim."""
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else {}
+    where = source if "partial_rotary_factor" not in params else f"{source} (rope_parameters)"
+    factor = float_field(params if "partial_rotary_factor" in params else cfg, "partial_rotary_factor", where,
+                         1.0, positive=True)
+    dim = int(head_dim * factor)
+    if factor > 1 or dim < 2 or dim % 2:
+        raise ConfigError(f"{where}: partial_rotary_factor {factor} gives {dim} rotary dims of head_dim "
+                          f"{head_dim}; it must give an even number between 2 and head_dim")
+    return dim
+
+
+def _linear_attention(cfg: Mapping[str, Any], source: str, hidden: int) -> GatedDeltaNetConfig:
+    nk = int_field(cfg, "linear_num_key_heads", source)
+    nv = int_field(cfg, "linear_num_value_heads", source)
+    if nv % nk:
+        raise ConfigError(f"{source}: linear_num_value_heads ({nv}) must be a multiple of linear_num_key_heads "
+                          f"({nk})")
+    return GatedDeltaNetConfig(
+        hidden_size=hidden, num_k_heads=nk, num_v_heads=nv,
+        head_k_dim=int_field(cfg, "linear_key_head_dim", source),
+        head_v_dim=int_field(cfg, "linear_value_head_dim", source),
+        conv_kernel=int_field(cfg, "linear_conv_kernel_dim", source, 4, minimum=2, maximum=64),
+        eps=float_field(cfg, "rms_norm_eps", source, 1e-6, positive=True, below=1.0))
+
+
+def _hybrid_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """Qwen3-Next, Qwen3.5 and Qwen3.6 (dense and MoE): Gated DeltaNet layers with a full-attention layer
+    every ``full_attention_interval``; full layers gate their output per head and rotate a part of each head;
+    every RMSNorm but the DeltaNet's output norm is zero-centred. FFN: dense (Qwen3.5), experts with a
+    shared expert on every layer (Qwen3.5-MoE) or by ``decoder_sparse_step``/``mlp_only_layers``
+    (Qwen3-Next)."""
+    model_type = cfg["model_type"]
+    _check_silu(cfg, source)
+    types = _layer_types(cfg, source, num_layers)
+    hidden, _, _, head_dim = attention_shape(cfg, source)
+    attention_bias = bool_field(cfg, "attention_bias", source, False)
+    out: dict[str, Any] = dict(
+        qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True,
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        linear_attention=_linear_attention(cfg, source, hidden),
+        attention_output_gate=True, rotary_dim=_partial_rotary_dim(cfg, source, head_dim),
+        zero_centered_norms=True,
+    )
+    routed = model_type != "qwen3_5_text" and int_field(cfg, "num_experts", source, 0, minimum=0) > 0
+    expert_layers: tuple[int, ...] = ()
+    if routed:
+        num_experts = int_field(cfg, "num_experts", source)
+        if model_type == "qwen3_next":
+            expert_layers = _sparse_layers(cfg, source, num_layers)
+        else:  # Qwen3.5-MoE: every layer
+            expert_layers = tuple(range(num_layers))
+        out["experts"] = ExpertsConfig(
+            num_experts=num_experts, top_k=_top_k(cfg, source, num_experts),
+            intermediate_size=require(cfg, "moe_intermediate_size", source), routing="softmax_topk",
+            # Qwen3.5-MoE's router always renormalises its top-k (it has no norm_topk_prob field).
+            norm_topk_prob=bool_field(cfg, "norm_topk_prob", source, True) if model_type == "qwen3_next" else True,
+            shared_intermediate_size=int_field(cfg, "shared_expert_intermediate_size", source, 0, minimum=0))
+    out["expert_layers"] = expert_layers
+    out["intermediate_size"] = int_field(cfg, "intermediate_size", source,
+                                         _REQUIRED if len(expert_layers) < num_layers else 1)
+    return out
+
+
+# Multimodal checkpoints whose language model is nested under ``text_config`` (the model_type it takes).
+NESTED_TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
+def _text_config(cfg: Mapping[str, Any], source: str) -> tuple[Mapping[str, Any], str]:
+    """The language model's config of a multimodal checkpoint (Qwen3.5's ``text_config``; the vision
+    tower's settings are not needed: its weights are skipped at load), else ``cfg`` itself."""
+    model_type = cfg.get("model_type")
+    if model_type not in NESTED_TEXT_CONFIGS:
+        return cfg, source
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        raise ConfigError(f"{source}: a {model_type!r} config needs a 'text_config' object (the language model); "
+                          "got " + ("none: a vision-only directory?" if text is None else repr(text)))
+    merged = dict(text)
+    merged["model_type"] = text.get("model_type") or NESTED_TEXT_CONFIGS[model_type]
+    for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):  # sometimes given at the top only
+        if key not in merged and key in cfg:
+            merged[key] = cfg[key]
+    return merged, f"{source} (text_config)"
+
+
 FAMILIES = {
     "llama": _dense_family, "mistral": _dense_family, "qwen2": _dense_family, "qwen3": _dense_family,
     "qwen3_moe": _qwen3_moe_family, "gpt_oss": _gpt_oss_family,
+    "qwen3_next": _hybrid_family, "qwen3_5_text": _hybrid_family, "qwen3_5_moe_text": _hybrid_family,
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

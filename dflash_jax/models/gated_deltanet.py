@@ -38,7 +38,6 @@ context, and TPUs (and GPUs with TF32) would otherwise round the float32 operand
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -46,42 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.models.cache import LinearState
+from dflash_jax.models.config import GatedDeltaNetConfig
+
 Dtype = Any
 HIGHEST = jax.lax.Precision.HIGHEST
 L2NORM_EPS = 1e-6  # transformers' l2norm (aligned with the FLA kernels): x * rsqrt(sum(x^2) + 1e-6)
 RECURRENT_MAX_T = 16  # up to this many tokens per call the module uses the recurrence (decode, verify blocks)
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedDeltaNetConfig:
-    """Sizes of one Gated DeltaNet layer (HF: ``linear_num_key_heads``, ``linear_num_value_heads``,
-    ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim``, ``rms_norm_eps``)."""
-
-    hidden_size: int
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int = 4
-    eps: float = 1e-6
-
-    def __post_init__(self):
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"num_v_heads ({self.num_v_heads}) must be a multiple of num_k_heads "
-                             f"({self.num_k_heads})")
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.head_k_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.head_v_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the convolution: the concatenated ``[q | k | v]`` (``2 * key_dim + value_dim``)."""
-        return 2 * self.key_dim + self.value_dim
 
 
 # ----------------------------------------------------------------------------------------------- the delta rule
@@ -177,18 +147,7 @@ def gated_delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
     q, k, v = (x.reshape(b, n, chunk, h, x.shape[-1]).transpose(0, 3, 1, 2, 4) for x in (q, k, v))
     g, beta = (x.reshape(b, n, chunk, h).transpose(0, 3, 1, 2) for x in (g, beta))
 
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
-    lower = jnp.tril(jnp.ones((chunk, chunk), bool))  # i >= j
-    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
-    ut = jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k, precision=HIGHEST) * decay
-    ut = jnp.where(jnp.tril(lower, -1), ut, 0.0) + jnp.eye(chunk, dtype=jnp.float32)
-    intra = jnp.einsum("bhnik,bhnjk->bhnij", q, k, precision=HIGHEST) * decay
-    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    sol = jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
-    new_values, k_cumdecay = sol[..., :dv], sol[..., dv:]
-    q_dec = q * jnp.exp(cum)[..., None]
-    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    new_values, k_cumdecay, q_dec, k_dec, intra, cum = _chunk_terms(q, k, v, g, beta)
     chunk_decay = jnp.exp(cum[..., -1])[..., None, None]  # [B, H, N, 1, 1]
 
     def step(s, xs):
@@ -203,6 +162,76 @@ def gated_delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
     s_final, o = jax.lax.scan(step, s0, xs)  # o [N, B, H, C, dv]
     o = o.transpose(1, 0, 3, 2, 4).reshape(b, n * chunk, h, dv)[:, :t]
     return o.astype(out_dtype), s_final
+
+
+def _chunk_terms(q, k, v, g, beta):
+    """The per-chunk terms of the chunked form (inputs ``[B, H, N, C, d]`` / ``[B, H, N, C]``): the UT
+    solve's pseudo-values ``U`` and ``W``, the decayed queries and keys, the causal intra-chunk scores and the
+    cumulative log decay ``G``. ``v_new = U - W S`` from a chunk's start state ``S`` is then every position's
+    delta-rule update ``beta (v - S_prev^T k)``."""
+    chunk, dv = q.shape[-2], v.shape[-1]
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
+    lower = jnp.tril(jnp.ones((chunk, chunk), bool))  # i >= j
+    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    ut = jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k, precision=HIGHEST) * decay
+    ut = jnp.where(jnp.tril(lower, -1), ut, 0.0) + jnp.eye(chunk, dtype=jnp.float32)
+    intra = jnp.einsum("bhnik,bhnjk->bhnij", q, k, precision=HIGHEST) * decay
+    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
+    sol = jax.lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
+    q_dec = q * jnp.exp(cum)[..., None]
+    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    return sol[..., :dv], sol[..., dv:], q_dec, k_dec, intra, cum
+
+
+def gated_delta_block(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                      state: jax.Array | None = None, *, valid: jax.Array | None = None,
+                      normalize_qk: bool = True) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """A short extension (a verify block, a decode step) as ONE chunk of the chunked form, keeping what it
+    takes to form the state after any prefix of it later (``advance``). Same arguments as
+    ``gated_delta_recurrent``. Returns ``(o [B, T, Hv, dv]``, ``(keys [B, T, Hv, dk], deltas [B, T, Hv, dv],
+    decay [B, T, Hv]))``, float32: the normalised keys, the delta-rule updates and the cumulative log decay.
+
+    Why not keep the state after every position (vLLM's approach): that is ``T`` copies of
+    ``[Hv, dk, dv]`` per layer and row (Qwen3.5-27B, block 16: ~2.4 GB per row), written every round. These
+    terms are ``T (dk + dv + 1)`` floats per head (~0.8 MB per layer and row there), and the state after the
+    first ``n`` tokens is one weighted sum over them (``advance``): exact, and cheaper than replaying the
+    recurrence over the accepted prefix, which would be ``n`` more sequential steps per layer.
+    """
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, valid, normalize_qk)
+    s0 = _initial_state(state, q, v)
+    # [B, T, H, d] -> [B, H, 1, T, d]: the block is one chunk
+    to_chunk = lambda x: jnp.moveaxis(x, 1, 2)[:, :, None]  # noqa: E731
+    u, w, q_dec, _, intra, cum = _chunk_terms(*(to_chunk(x) for x in (q, k, v, g, beta)))
+    deltas = u - jnp.einsum("bhnck,bhkv->bhncv", w, s0, precision=HIGHEST)
+    o = (jnp.einsum("bhnck,bhkv->bhncv", q_dec, s0, precision=HIGHEST)
+         + jnp.einsum("bhnij,bhnjv->bhniv", intra, deltas, precision=HIGHEST))
+    back = lambda x: jnp.moveaxis(x[:, :, 0], 1, 2)  # noqa: E731 ([B, H, 1, T, ...] -> [B, T, H, ...])
+    return back(o).astype(out_dtype), (k, back(deltas), back(cum))
+
+
+def advance(state: jax.Array, keys: jax.Array, deltas: jax.Array, decay: jax.Array, keep: jax.Array) -> jax.Array:
+    """The state after the first ``keep [B]`` tokens of an extension run from ``state [B, Hv, dk, dv]``, from
+    its ``gated_delta_block`` terms: unrolling the recurrence, ``S_n = e^{G_n} S + sum_{j<n} e^{G_n - G_j}
+    k_j delta_j^T`` with ``G`` the cumulative log decay (``keep = 0``: ``state`` itself)."""
+    t = keys.shape[1]
+    last = jnp.clip(keep - 1, 0, t - 1)
+    g_last = jnp.take_along_axis(decay, last[:, None, None], axis=1)[:, 0]  # [B, Hv]
+    kept = (jnp.arange(t)[None] < keep[:, None])[..., None]  # [B, T, 1]
+    weights = jnp.where(kept, jnp.exp(jnp.minimum(g_last[:, None] - decay, 0.0)), 0.0)  # [B, T, Hv]
+    update = jnp.einsum("bth,bthk,bthv->bhkv", weights, keys, deltas, precision=HIGHEST)
+    scale = jnp.where((keep > 0)[:, None], jnp.exp(g_last), 1.0)
+    return state.astype(jnp.float32) * scale[..., None, None] + update
+
+
+def committed_state(cache: LinearState, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(conv state, recurrent state)`` of each row at its length: the base advanced by the row's first
+    ``lengths - start`` pending tokens (clipped to the pending width)."""
+    keep = jnp.clip(lengths - cache.start, 0, cache.width).astype(jnp.int32)
+    conv = conv_window(jnp.concatenate([cache.conv, cache.inputs.astype(cache.conv.dtype)], axis=1), keep,
+                       cache.conv.shape[1])
+    return conv, advance(cache.recurrent, cache.keys, cache.deltas, cache.decay, keep)
 
 
 # ----------------------------------------------------------------------------------------------- the conv
@@ -243,14 +272,21 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array | None 
     if activation:
         y = jax.nn.silu(y)
     end = last_valid_end(valid, b, t)
-    taps = jnp.arange(kk - 1, dtype=jnp.int32)
     if all_states:
+        taps = jnp.arange(kk - 1, dtype=jnp.int32)
         ends = jnp.minimum(jnp.arange(1, t + 1, dtype=jnp.int32)[None], end[:, None])  # [B, T]
         idx = ends[..., None] + taps  # [B, T, K - 1]
         new_state = jnp.take_along_axis(buf[:, None], idx[..., None], axis=2)
     else:
-        new_state = jnp.take_along_axis(buf, (end[:, None] + taps)[..., None], axis=1)
+        new_state = conv_window(buf, end, kk - 1)
     return y.astype(x.dtype), new_state
+
+
+def conv_window(buf: jax.Array, end: jax.Array, width: int) -> jax.Array:
+    """``buf[b, end[b] : end[b] + width]`` per row: the conv state after the first ``end`` tokens of an
+    extension, from ``buf = concat(conv state before it, its inputs)`` (``[B, K - 1 + T, C]``)."""
+    idx = end[:, None] + jnp.arange(width, dtype=jnp.int32)
+    return jnp.take_along_axis(buf, idx[..., None], axis=1)
 
 
 # ----------------------------------------------------------------------------------------------- the layer
@@ -294,31 +330,20 @@ class GatedDeltaNet(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, valid: jax.Array | None = None,
-                 state: tuple[jax.Array, jax.Array] | None = None, *, all_states: bool = False,
-                 path: str | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                 state: tuple[jax.Array, jax.Array] | LinearState | None = None, *, all_states: bool = False,
+                 path: str | None = None, lengths: jax.Array | None = None):
+        """With a ``LinearState`` (the decode cache) and the rows' current ``lengths``, ``x`` extends each row
+        from its length (its valid tokens first, contiguous): returns ``(out, new LinearState)``, the new state
+        pending on the rows' next lengths (``committed_state``). Extensions up to the state's width keep their
+        terms (rollback to any prefix); wider ones (prefill chunks) are folded in whole."""
+        if isinstance(state, LinearState):
+            return self._extend(x, valid, state, lengths)
         cfg = self.cfg
         b, t, _ = x.shape
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-                                         name=name)
-        x = x.astype(self.dtype)
-        if valid is not None:  # as transformers' apply_mask_to_padding_states: pads project to zeros
-            x = jnp.where(valid.astype(bool)[..., None], x, 0).astype(self.dtype)
-        mixed = dense(cfg.conv_dim, "in_proj_qkv")(x)
-        z = dense(cfg.value_dim, "in_proj_z")(x).reshape(b, t, cfg.num_v_heads, cfg.head_v_dim)
-        bb = dense(cfg.num_v_heads, "in_proj_b")(x)
-        a = dense(cfg.num_v_heads, "in_proj_a")(x)
-        conv = _Conv1dWeight(cfg.conv_dim, cfg.conv_kernel, self.param_dtype, name="conv1d")()
-        a_log = self.param("A_log", _a_log_init, (cfg.num_v_heads,), self.param_dtype)
-        dt_bias = self.param("dt_bias", nn.initializers.ones, (cfg.num_v_heads,), self.param_dtype)
-
+        mixed, z, beta, g, conv = self._project(x, valid)
         conv_state, rec_state = state if state is not None else (None, None)
-        mixed, new_conv = causal_conv1d(mixed, conv.astype(self.dtype), conv_state, valid, all_states=all_states)
-        q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
-        q = q.reshape(b, t, cfg.num_k_heads, cfg.head_k_dim)
-        k = k.reshape(b, t, cfg.num_k_heads, cfg.head_k_dim)
-        v = v.reshape(b, t, cfg.num_v_heads, cfg.head_v_dim)
-        beta = jax.nn.sigmoid(bb)
-        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
+        mixed, new_conv = causal_conv1d(mixed, conv, conv_state, valid, all_states=all_states)
+        q, k, v = self._heads(mixed)
 
         if path is None:
             path = "recurrent" if all_states or t <= RECURRENT_MAX_T else "chunked"
@@ -331,10 +356,66 @@ class GatedDeltaNet(nn.Module):
         else:
             raise ValueError(f"path must be 'recurrent', 'chunked' or None, got {path!r}")
 
+        return self._output(o, z), (new_conv, new_rec)
+
+    def _dense(self, n: int, name: str) -> nn.Dense:
+        return nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+
+    def _project(self, x, valid):
+        """The input projections: pre-conv ``q|k|v`` channels, the output gate ``z``, ``beta``, the log decay
+        ``g`` (float32) and the conv weight."""
+        cfg = self.cfg
+        b, t, _ = x.shape
+        x = x.astype(self.dtype)
+        if valid is not None:  # as transformers' apply_mask_to_padding_states: pads project to zeros
+            x = jnp.where(valid.astype(bool)[..., None], x, 0).astype(self.dtype)
+        mixed = self._dense(cfg.conv_dim, "in_proj_qkv")(x)
+        z = self._dense(cfg.value_dim, "in_proj_z")(x).reshape(b, t, cfg.num_v_heads, cfg.head_v_dim)
+        bb = self._dense(cfg.num_v_heads, "in_proj_b")(x)
+        a = self._dense(cfg.num_v_heads, "in_proj_a")(x)
+        conv = _Conv1dWeight(cfg.conv_dim, cfg.conv_kernel, self.param_dtype, name="conv1d")()
+        a_log = self.param("A_log", _a_log_init, (cfg.num_v_heads,), self.param_dtype)
+        dt_bias = self.param("dt_bias", nn.initializers.ones, (cfg.num_v_heads,), self.param_dtype)
+        beta = jax.nn.sigmoid(bb)
+        g = -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias)
+        return mixed, z, beta, g, conv.astype(self.dtype)
+
+    def _heads(self, mixed):
+        cfg = self.cfg
+        b, t, _ = mixed.shape
+        q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+        return (q.reshape(b, t, cfg.num_k_heads, cfg.head_k_dim), k.reshape(b, t, cfg.num_k_heads, cfg.head_k_dim),
+                v.reshape(b, t, cfg.num_v_heads, cfg.head_v_dim))
+
+    def _output(self, o, z):
+        cfg = self.cfg
+        b, t = o.shape[:2]
         norm_w = _NormWeight(cfg.head_v_dim, self.param_dtype, name="norm")()
         o = gated_rms_norm(o, z, norm_w, cfg.eps).reshape(b, t, cfg.value_dim)
-        out = dense(cfg.hidden_size, "out_proj")(o)
-        return out, (new_conv, new_rec)
+        return self._dense(cfg.hidden_size, "out_proj")(o)
+
+    def _extend(self, x, valid, cache: LinearState, lengths):
+        b, t, _ = x.shape
+        width = cache.width
+        if valid is None:
+            valid = jnp.ones((b, t), bool)
+        conv_state, rec_state = committed_state(cache, lengths)
+        pre_conv, z, beta, g, conv = self._project(x, valid)
+        mixed, new_conv = causal_conv1d(pre_conv, conv, conv_state, valid)
+        q, k, v = self._heads(mixed)
+        if t <= width:  # keep the terms: the next lengths pick the prefix
+            o, (keys, deltas, decay) = gated_delta_block(q, k, v, g, beta, rec_state, valid=valid)
+            pad = lambda a: jnp.pad(a, [(0, 0), (0, width - t)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+            new = LinearState(conv=conv_state, recurrent=rec_state, start=lengths.astype(jnp.int32),
+                              inputs=pad(jnp.where(valid[..., None], pre_conv, 0).astype(cache.inputs.dtype)),
+                              keys=pad(keys), deltas=pad(deltas), decay=pad(decay))
+        else:  # a prefill chunk: folded in whole (nothing to roll back into)
+            o, rec = gated_delta_chunked(q, k, v, g, beta, rec_state, self.chunk_size, valid=valid)
+            n = jnp.sum(valid, axis=1, dtype=jnp.int32)
+            zero = jax.tree.map(jnp.zeros_like, cache)
+            new = zero.replace(conv=new_conv.astype(cache.conv.dtype), recurrent=rec,
+                               start=lengths.astype(jnp.int32) + n)
+        return self._output(o, z), new
 
 
 class _Conv1dWeight(nn.Module):
@@ -383,3 +464,16 @@ def split_qwen3_next_projections(in_proj_qkvz: np.ndarray, in_proj_ba: np.ndarra
     flat = lambda x: x.reshape(-1, hidden)
     return {"in_proj_qkv": np.concatenate([flat(q), flat(k), flat(v)], axis=0), "in_proj_z": flat(z),
             "in_proj_b": flat(ba[:, :r]), "in_proj_a": flat(ba[:, r:])}
+
+
+def join_qwen3_next_projections(split: dict[str, np.ndarray], cfg: GatedDeltaNetConfig) -> dict[str, np.ndarray]:
+    """The inverse of ``split_qwen3_next_projections`` (torch layout): ``{"in_proj_qkvz", "in_proj_ba"}``."""
+    nk, dk, dv, r = cfg.num_k_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.num_v_heads // cfg.num_k_heads
+    hidden = split["in_proj_qkv"].shape[-1]
+    q, k, v = np.split(np.asarray(split["in_proj_qkv"]), [nk * dk, 2 * nk * dk], axis=0)
+    per_head = lambda x, n: x.reshape(nk, n, hidden)  # noqa: E731
+    qkvz = np.concatenate([per_head(q, dk), per_head(k, dk), per_head(v, r * dv),
+                           per_head(np.asarray(split["in_proj_z"]), r * dv)], axis=1)
+    ba = np.concatenate([per_head(np.asarray(split["in_proj_b"]), r), per_head(np.asarray(split["in_proj_a"]), r)],
+                        axis=1)
+    return {"in_proj_qkvz": qkvz.reshape(-1, hidden), "in_proj_ba": ba.reshape(-1, hidden)}

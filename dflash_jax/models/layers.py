@@ -31,12 +31,16 @@ class RMSNorm(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     weight_in_float32: bool = False
+    zero_centered: bool = False  # Qwen3-Next / Qwen3.5: scale by (1 + w) in float32, w stored (starts at 0)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centered:
+            return (x32 * (1.0 + weight.astype(jnp.float32))).astype(self.dtype)
         if self.weight_in_float32:
             return (weight.astype(jnp.float32) * x32).astype(self.dtype)
         return weight.astype(self.dtype) * x32.astype(self.dtype)

@@ -1,7 +1,10 @@
-"""The target decoder: LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE and gpt-oss as one pure Flax module.
+"""The target decoder: LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss and the hybrid Qwen3-Next /
+Qwen3.5 / Qwen3.6 as one pure Flax module.
 
 A family is a set of differences read from its config (``models/config.py``): attention flags (biases, q/k
-norms, sinks), each layer's window and each layer's FFN (a dense SwiGLU or ``models/experts.Experts``).
+norms, sinks, an output gate, partial RoPE, zero-centred norms), each layer's token mixer (softmax attention,
+with an optional window, or a Gated DeltaNet: ``models/gated_deltanet.py``) and each layer's FFN (a dense
+SwiGLU or ``models/experts.Experts``).
 
 ``TargetModel.apply({'params': p}, tokens, positions, cache=..., feature_layers=(...))`` runs prefill or a
 multi-token extension in one call and returns the logits, the requested layers' hidden features and the new
@@ -19,9 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.attention_kernels import Segment
-from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
+from dflash_jax.models.cache import KVCache, LinearState, lengths_after_write, write_slots
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.experts import Experts
+from dflash_jax.models.gated_deltanet import GatedDeltaNet
 from dflash_jax.models.layers import (
     MLP, RMSNorm, apply_rope, attention, cache_attention, rope_inv_freq, rope_scale, to_cache_layout, write_rows,
 )
@@ -48,18 +52,26 @@ class TargetAttention(nn.Module):
         dense = lambda n, bias, name: nn.Dense(  # noqa: E731
             n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name
         )
-        q = dense(cfg.num_attention_heads * cfg.head_dim, cfg.qkv_bias, "q_proj")(x)
+        gated = cfg.attention_output_gate  # q_proj yields [query | gate] per head
+        q = dense(cfg.num_attention_heads * cfg.head_dim * (2 if gated else 1), cfg.qkv_bias, "q_proj")(x)
         k = dense(cfg.num_key_value_heads * cfg.head_dim, cfg.qkv_bias, "k_proj")(x)
         v = dense(cfg.num_key_value_heads * cfg.head_dim, cfg.qkv_bias, "v_proj")(x)
+        gate = None
+        if gated:
+            q, gate = jnp.split(q.reshape(b, t, cfg.num_attention_heads, 2 * cfg.head_dim), 2, axis=-1)
+            gate = gate.reshape(b, t, -1)
         q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
         k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, name="k_norm")(k)
-        inv_freq, scale = rope_inv_freq(cfg.rope, cfg.head_dim), rope_scale(cfg.rope)
-        q = apply_rope(q, positions, inv_freq, scale)
-        k = apply_rope(k, positions, inv_freq, scale)
+            norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype,  # noqa: E731
+                                        zero_centered=cfg.zero_centered_norms, name=name)
+            q, k = norm("q_norm")(q), norm("k_norm")(k)
+        rot = cfg.rotary_dims  # partial RoPE: the first ``rot`` dims of each head rotate, the rest pass
+        inv_freq, scale = rope_inv_freq(cfg.rope, rot), rope_scale(cfg.rope)
+        rope = lambda a: jnp.concatenate(  # noqa: E731
+            [apply_rope(a[..., :rot], positions, inv_freq, scale), a[..., rot:]], axis=-1)
+        q, k = rope(q), rope(k)
         sinks = self.param("sinks", nn.initializers.zeros, (cfg.num_attention_heads,), self.dtype) \
             if cfg.attention_sinks else None
         window = self.window
@@ -85,7 +97,10 @@ class TargetAttention(nn.Module):
             if window is not None:
                 mask = mask & (positions[:, :, None] - positions[:, None, :] < window)
             out = attention(q, [(to_cache_layout(k), to_cache_layout(v), mask)], sinks=sinks)
-        out = dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out.reshape(b, t, -1))
+        out = out.reshape(b, t, -1)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
+        out = dense(cfg.hidden_size, cfg.o_bias, "o_proj")(out)
         return out, new_kv
 
 
@@ -95,14 +110,23 @@ class DecoderLayer(nn.Module):
     index: int = 0
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None):
+    def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None, valid=None,
+                 lengths=None):
+        """``cache_kv``: this layer's cache, ``(keys, values)`` for attention or a ``LinearState`` for a Gated
+        DeltaNet (which reads ``valid`` and the rows' ``lengths`` instead of the attention masks)."""
         cfg = self.config
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype,  # noqa: E731
-                                    cfg.norm_weight_in_float32, name=name)
+                                    cfg.norm_weight_in_float32, cfg.zero_centered_norms, name=name)
         h = norm("input_layernorm")(x)
-        attn, new_kv = TargetAttention(cfg, self.dtype, cfg.window(self.index), name="self_attn")(
-            h, positions, mask, cache_kv, slots, live, spans)
-        x = x + attn
+        if cfg.is_linear_layer(self.index):
+            mixed, new_kv = GatedDeltaNet(cfg.linear_attention, self.dtype, self.dtype, name="linear_attn")(
+                h, valid, cache_kv, lengths=lengths)
+            if cache_kv is None:
+                new_kv = None
+        else:
+            mixed, new_kv = TargetAttention(cfg, self.dtype, cfg.window(self.index), name="self_attn")(
+                h, positions, mask, cache_kv, slots, live, spans)
+        x = x + mixed
         h = norm("post_attention_layernorm")(x)
         if cfg.is_expert_layer(self.index):
             x = x + Experts(cfg.experts, self.dtype, name="mlp")(h)
@@ -122,7 +146,8 @@ class TargetModel(nn.Module):
         cfg = self.config
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
         self.layers = [DecoderLayer(cfg, self.dtype, i) for i in range(cfg.num_hidden_layers)]
-        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, cfg.norm_weight_in_float32)
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, cfg.norm_weight_in_float32,
+                            cfg.zero_centered_norms)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
 
@@ -177,12 +202,20 @@ class TargetModel(nn.Module):
         else:
             slots = None
             mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
-        features, new_keys, new_values = {}, [], []
+        features, new_keys, new_values, new_linear = {}, [], [], []
         last = len(self.layers) - 1
+        attention_index = {layer: n for n, layer in enumerate(self.config.attention_layers)}
+        linear_index = {layer: n for n, layer in enumerate(self.config.linear_layers)}
+        lengths = cache.lengths if cache is not None else None
         for i, layer in enumerate(self.layers):
-            kv = (cache.keys[i], cache.values[i]) if cache is not None else None
-            x, new_kv = layer(x, positions, mask, kv, slots, live, spans)
-            if new_kv is not None:
+            layer_cache = None
+            if cache is not None:
+                layer_cache = cache.linear[linear_index[i]] if i in linear_index else (
+                    cache.keys[attention_index[i]], cache.values[attention_index[i]])
+            x, new_kv = layer(x, positions, mask, layer_cache, slots, live, spans, valid, lengths)
+            if isinstance(new_kv, LinearState):
+                new_linear.append(new_kv)
+            elif new_kv is not None:
                 new_keys.append(new_kv[0])
                 new_values.append(new_kv[1])
             if i in feature_layers and i < last:
@@ -200,10 +233,17 @@ class TargetModel(nn.Module):
                 logits = self.unembed(normed) if normed is not None else self.head(x)
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(tuple(new_keys), tuple(new_values), new_lengths)
+            new_cache = KVCache(tuple(new_keys), tuple(new_values), new_lengths, tuple(new_linear))
         return TargetOutput(logits, feats, new_cache)
 
 
-def init_cache(config: TargetConfig, batch: int, slots: int, dtype=jnp.float32) -> KVCache:
-    return KVCache.create(config.num_hidden_layers, batch, slots, config.num_key_value_heads, config.head_dim, dtype)
+def init_cache(config: TargetConfig, batch: int, slots: int, dtype=jnp.float32, extension: int = 16) -> KVCache:
+    """An empty cache of ``slots`` positions per row. ``extension``: the widest forward that must stay
+    rollback-able (the verify block; hybrid targets only: their linear layers keep that extension's terms)."""
+    cache = KVCache.create(len(config.attention_layers), batch, slots, config.num_key_value_heads,
+                           config.head_dim, dtype)
+    la = config.linear_attention
+    linear = tuple(LinearState.create(batch, extension, la.conv_kernel, la.conv_dim, la.num_v_heads, la.head_k_dim,
+                                      la.head_v_dim, dtype) for _ in config.linear_layers)
+    return cache.replace(linear=linear)
 
