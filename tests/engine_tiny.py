@@ -41,20 +41,44 @@ MOE_FAMILIES = {
 }
 
 
+_LINEAR = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+               linear_value_head_dim=8, partial_rotary_factor=0.25, intermediate_size=128)
+HYBRID_FAMILIES = {
+    # Layers 0-2 Gated DeltaNet, layer 3 gated full attention (the default interval of 4).
+    "qwen3_5": dict(model_type="qwen3_5_text", **_LINEAR),
+    # Experts with a shared expert on every layer.
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, shared_expert_intermediate_size=48, **_LINEAR),
+    # The full layer second, the last one linear; layer 2 dense.
+    "qwen3_next": dict(model_type="qwen3_next", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[2], layer_types=[
+                           "linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                       **_LINEAR),
+}
+
+
 def tiny_moe_target(family: str, seed: int = 0, vocab: int = VOCAB, scale: float = 0.3):
-    """A tiny random mixture-of-experts target of ``family`` (4 layers, 4 experts), random like
-    ``tiny_target``; gpt-oss's sinks are drawn around one so that they take a real share of the softmax."""
+    """A tiny random target of a mixture-of-experts (``MOE_FAMILIES``) or hybrid (``HYBRID_FAMILIES``)
+    ``family`` (4 layers, 4 experts), random like ``tiny_target``; gpt-oss's sinks are drawn around one so
+    that they take a real share of the softmax; zero-centred norms around zero (a scale of ``1 + w``)."""
+    fields = {**MOE_FAMILIES, **HYBRID_FAMILIES}[family]
     config = TargetConfig.from_dict(dict(
         vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512, **MOE_FAMILIES[family]))
+        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=512, **fields))
     rng = np.random.default_rng(seed)
 
     def draw(path, x):
-        name = path[-1].key
+        name, parent = path[-1].key, path[-2].key if len(path) > 1 else ""
         if name == "sinks":
             return jnp.asarray(1.0 + rng.standard_normal(x.shape), x.dtype)
         if name.endswith("bias"):
             return jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
+        if name == "weight" and len(x.shape) == 1:  # RMSNorm weights
+            centre = 0.0 if config.zero_centered_norms and not (parent == "norm" and len(path) > 2
+                                                                and path[-3].key == "linear_attn") else 1.0
+            return jnp.asarray(centre + 0.1 * rng.standard_normal(x.shape), x.dtype)
+        if name in ("A_log", "dt_bias"):  # decays exp(-exp(A_log) softplus(a + dt_bias)) spread over (0, 1)
+            return jnp.asarray(0.5 * rng.standard_normal(x.shape), x.dtype)
         return jnp.asarray(rng.standard_normal(x.shape) * scale if len(x.shape) > 1 else np.ones(x.shape), x.dtype)
 
     return config, jax.tree_util.tree_map_with_path(draw, abstract_target_params(config))
