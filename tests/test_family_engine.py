@@ -1,9 +1,11 @@
-"""DFlash on mixture-of-experts targets (Qwen3-MoE and gpt-oss, tiny random configs): lossless greedy with a
-random draft, with planted acceptance patterns (0 to a full block, different per row) and with a draft
-trained here on the target's own outputs (real acceptance well above 1); sampling follows the target's exact
-distribution (chi-square); the dense and grouped expert paths agree.
+"""DFlash on the mixture-of-experts targets (Qwen3-MoE, gpt-oss) and the hybrid linear-attention ones
+(Qwen3.5, Qwen3.5-MoE, Qwen3-Next), tiny random configs: lossless greedy with a random draft, with planted
+acceptance patterns (0 to a full block, different per row: every KV cache and every Gated DeltaNet state is
+rolled back by every amount) and with a draft trained here on the target's own outputs (real acceptance well
+above 1); sampling follows the target's exact distribution (chi-square); the dense and grouped expert paths
+agree.
 
-The target decoder itself is checked against transformers' models of both families in
+The target decoder itself is checked against transformers' models of these families in
 tests/test_target_parity.py (logits and every layer's hidden states, greedy continuations), so the
 autoregressive baseline here is the reference. Tolerances: tokens identical; dense vs grouped expert paths
 within 1e-5 of the largest logit (fp32; the paths sum the experts in different orders through four layers).
@@ -22,7 +24,7 @@ from dflash_jax.models.draft import DraftModel, shared_head
 from dflash_jax.models.experts import force_expert_path
 from dflash_jax.models.target import TargetModel
 from dflash_jax.training.step import StepConfig, init_train_state, make_optimizer, make_train_step
-from engine_tiny import MOE_FAMILIES, tiny_draft, tiny_moe_target
+from engine_tiny import HYBRID_FAMILIES, MOE_FAMILIES, tiny_draft, tiny_moe_target
 from train_tiny import STEP_KW
 
 BLOCK = 8
@@ -30,7 +32,10 @@ PROMPT_LENGTHS = (5, 13, 9)
 MAX_NEW = 40
 
 
-@pytest.fixture(scope="module", params=sorted(MOE_FAMILIES))
+FAMILIES = sorted(MOE_FAMILIES) + sorted(HYBRID_FAMILIES)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def setup(request):
     tc, tp = tiny_moe_target(request.param)
     dc, dp = tiny_draft(block=BLOCK)
@@ -50,6 +55,8 @@ def dflash(tc, tp, dc, dp, prompts, settings, seed=0):
 
 def test_dense_and_grouped_expert_paths_agree(setup):
     _, tc, tp, *_ = setup
+    if tc.experts is None:
+        pytest.skip("no experts in this family")
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, tc.vocab_size, (3, 21))
     positions = np.broadcast_to(np.arange(21), tokens.shape)
@@ -121,7 +128,7 @@ def test_a_trained_draft_accepts_well_above_one_and_stays_lossless(setup):
     assert any(1 < a < BLOCK for row in out.accept_lengths for a in row)  # partial acceptance happened
 
 
-@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_sampling_follows_the_target_distribution(family):
     """DFlash sampling with a random draft on each family's target (experts; gpt-oss: sinks, window) draws 3-token
     continuations from exactly the target's distribution: Pearson's chi-square over all 8^3 sequences,
