@@ -54,7 +54,13 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"experts/(gate|up|down)_proj_scales$", ("experts", "packed_rows", None)),
     (r"shared_expert_gate/kernel$", ("embed", None)),
     (r"self_attn/sinks$", ("heads",)),
-    (r"norm/weight$", ("norm",)),  # every RMSNorm (layer norms, q/k norms, final and hidden norms)
+    # Gated DeltaNet (hybrid targets): projections into the linear heads' channels over tensor (like an MLP's
+    # hidden units), the depthwise conv per channel, the per-head decay parameters replicated (tiny).
+    (r"linear_attn/in_proj_(qkv|z|b|a)/kernel$", ("embed", "linear")),
+    (r"linear_attn/out_proj/kernel$", ("linear", "embed")),
+    (r"linear_attn/conv1d/weight$", ("linear", None, None)),
+    (r"linear_attn/(A_log|dt_bias)$", (None,)),
+    (r"norm/weight$", ("norm",)),  # every RMSNorm (layer norms, q/k norms, final and hidden norms, DeltaNet's)
 )
 
 LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
@@ -64,6 +70,7 @@ LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
     "heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
+    "linear": "tensor",
     "experts": "expert",
     # Packed MXFP4 rows (output features) over every weight-splitting axis: the input axis is stored in groups
     # of 32 (90 groups for gpt-oss's 2880), which 8 devices do not divide; decoded weights are gathered at use.

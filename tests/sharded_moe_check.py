@@ -1,5 +1,6 @@
 """Run in a subprocess with 8 fake CPU devices (tests/test_moe_sharded.py): mixture-of-experts targets (tiny
-Qwen3-MoE and gpt-oss) on one device and sharded with their experts split over the ``expert`` mesh axis.
+Qwen3-MoE and gpt-oss) and a hybrid one (Qwen3-Next: Gated DeltaNet layers and experts) on one device and
+sharded with their experts split over the ``expert`` mesh axis, linear-attention channels over ``tensor``.
 Engine: DFlash with a random draft, the autoregressive baseline and planted acceptance (an oracle with
 errors), greedy. Train step: loss, gradients and updated draft params. Prints one JSON object."""
 
@@ -29,6 +30,7 @@ from dflash_jax.training.step import (  # noqa: E402
 from engine_tiny import tiny_draft, tiny_moe_target  # noqa: E402
 from train_tiny import STEP_KW, tiny_tokenized  # noqa: E402
 
+FAMILIES = ("qwen3_moe", "gpt_oss", "qwen3_next")
 ENGINE_MESHES = (None, "data=2,tensor=2,expert=2")
 TRAIN_MESHES = (None, "fsdp=2,tensor=2,expert=2")
 
@@ -103,20 +105,28 @@ def sharded_loads():
     from hf_tiny import make_hf_target
 
     mesh = sharding.make_mesh("data=2,tensor=2,expert=2")
-    with tempfile.TemporaryDirectory() as tmp:
-        make_hf_target("gpt_oss", Path(tmp))
-        _, one = load_target_any(tmp)
-        _, sharded = load_target_any(tmp, mesh=mesh)
-        specs = sorted({str(x.sharding.spec) for path, x in jax.tree_util.tree_leaves_with_path(sharded)
-                        if "experts" in jax.tree_util.keystr(path)})
-        return {"max_diff": max_diff(sharded, one), "expert_specs": specs}
+    out = {}
+    for variant in ("gpt_oss", "qwen3_next"):
+        with tempfile.TemporaryDirectory() as tmp:
+            make_hf_target(variant, Path(tmp))
+            _, one = load_target_any(tmp)
+            _, sharded = load_target_any(tmp, mesh=mesh)
+            specs = lambda part: sorted({str(x.sharding.spec) for path, x in  # noqa: E731
+                                         jax.tree_util.tree_leaves_with_path(sharded)
+                                         if part in jax.tree_util.keystr(path)})
+            out[variant] = {"max_diff": max_diff(sharded, one), "expert_specs": specs("experts"),
+                            "linear_specs": specs("linear_attn")}
+    return out
 
 
 out = {"devices": jax.device_count(), "sharded_load": sharded_loads()}
-for family in ("qwen3_moe", "gpt_oss"):
+for family in FAMILIES:
     runs, specs = engine_runs(family)
     train = {}
-    one = train_run(family, None) if family == "gpt_oss" else None  # the step: on the richer family only
+    # The train step: on gpt-oss (the richer MoE family). Not on the hybrid: on 8 fake CPU devices its sharded
+    # step stalls in XLA:CPU's runtime (idle threads, never returns; intermittently seen on Qwen3-MoE too), so
+    # the hybrid's sharded training is not checked here (see docs/sharding.md).
+    one = train_run(family, None) if family == "gpt_oss" else None
     for spec in TRAIN_MESHES[1:] if one else ():
         other = train_run(family, spec)
         train[spec] = {"loss": abs(other[0] - one[0]) / abs(one[0]), "grads": max_diff(other[1], one[1]),

@@ -1,4 +1,5 @@
-"""Mixture-of-experts targets sharded over 8 fake CPU devices (experts over the ``expert`` mesh axis, heads and
+"""Mixture-of-experts targets, and the hybrid Qwen3-Next (Gated DeltaNet channels over ``tensor``, its decode
+state's value heads too), sharded over 8 fake CPU devices (experts over the ``expert`` mesh axis, heads and
 MLPs over ``tensor``, rows over ``data``/``fsdp``) give the same tokens and acceptance lengths as one device
 (DFlash with a random draft, planted acceptance), and the same train step: loss 1e-6 relative, gradients
 1e-5 absolute (measured 2.3e-6 on gpt-oss, whose sinks and experts give larger activations; 5e-7 on
@@ -23,9 +24,11 @@ def test_sharded_moe_targets_equal_one_device():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["devices"] == 8
     if out["sharded_load"] is not None:  # written by transformers when torch is installed
-        assert out["sharded_load"]["max_diff"] == 0.0
-        assert all("expert" in s for s in out["sharded_load"]["expert_specs"]), out["sharded_load"]
-    for family in ("qwen3_moe", "gpt_oss"):
+        for variant, load in out["sharded_load"].items():
+            assert load["max_diff"] == 0.0, variant
+            assert all("expert" in s for s in load["expert_specs"]), (variant, load)
+        assert any("tensor" in s for s in out["sharded_load"]["qwen3_next"]["linear_specs"]), out["sharded_load"]
+    for family in ("qwen3_moe", "gpt_oss", "qwen3_next"):
         runs = out[family]["runs"]
         for key, run in runs.items():
             mesh, kind = key.split("/")

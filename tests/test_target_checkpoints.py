@@ -22,7 +22,8 @@ pytest.importorskip("transformers")
 
 from hf_tiny import make_hf_target  # noqa: E402
 
-VARIANTS = ["qwen3_untied", "qwen3_tied", "llama3", "qwen2_bias", "qwen3_moe", "gpt_oss"]
+VARIANTS = ["qwen3_untied", "qwen3_tied", "llama3", "qwen2_bias", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe",
+            "qwen3_next"]
 
 
 @pytest.fixture(scope="module")
