@@ -75,6 +75,31 @@ def test_random_draft_is_lossless(setup):
     assert [sum(a) + 1 for a in out.accept_lengths] == [len(t) for t in out.tokens]
 
 
+def test_proposals_equal_the_draft_on_training_features(setup):
+    """Hybrid targets: every round's proposals equal the draft run from scratch (``draft_logits``) on the
+    features of one full forward of the target without a cache (the chunked form, what the train step
+    computes) over everything before the round's anchor: the features the engine files round by round through
+    the rolled-back linear states are the training features."""
+    _, tc, tp, dc, dp, prompts, settings, _ = setup
+    if not tc.linear_layers:
+        pytest.skip("not a hybrid target")
+    from dflash_jax.engine.proposers import draft_logits
+
+    out = dflash(tc, tp, dc, dp, prompts, settings)
+    shared = shared_head(tp, tc.tie_word_embeddings)
+    for b, prompt in enumerate(prompts):
+        sequence = prompt + out.tokens[b]
+        features = TargetModel(tc).apply({"params": tp}, jnp.asarray([sequence]), jnp.arange(len(sequence))[None],
+                                         feature_layers=dc.target_layer_ids, skip_logits=True).features
+        offsets = np.cumsum([0] + out.accept_lengths[b])
+        for r in range(min(3, len(out.accept_lengths[b]))):  # 3 rounds a row: one compile per context length
+            anchor = len(prompt) + offsets[r]
+            left = min(BLOCK, MAX_NEW - (offsets[r] + 1) + 1)  # the block shrinks near max_new_tokens
+            logits = draft_logits(dc, dp, shared, features[:, :anchor], jnp.asarray([sequence[anchor]]), left)
+            np.testing.assert_array_equal(out.drafts[b][r][: left - 1], np.asarray(jnp.argmax(logits[0], -1)),
+                                          err_msg=f"row {b} round {r}")
+
+
 def test_planted_acceptance_patterns_are_lossless(setup):
     """Each row's rounds accept a planted schedule (every length from 1 to the full block, different per row),
     so the KV caches of every layer, sliding and full, are rolled back by every amount."""
