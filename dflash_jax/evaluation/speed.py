@@ -53,6 +53,7 @@ from dflash_jax.models.init import random_params
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig, default_target_layer_ids
 from dflash_jax.models.attention_kernels import attention_kernel, resolve_kernel
+from dflash_jax.models.gated_deltanet import committed_state
 from dflash_jax.models.target import TargetModel
 
 # --------------------------------------------------------------------------------------------------------
@@ -140,7 +141,11 @@ def cut_target(target: TargetConfig, draft: DraftConfig, layers: int) -> tuple[T
     cut = dataclasses.replace(
         target, num_hidden_layers=layers,
         expert_layers=tuple(i for i in target.expert_layers if i < layers),
-        layer_windows=target.layer_windows[:layers])
+        layer_windows=target.layer_windows[:layers],
+        linear_layers=tuple(i for i in target.linear_layers if i < layers))
+    if not cut.attention_layers:
+        raise UserError(f"the first {layers} layers of this target are all linear attention; keep at least one "
+                        f"full-attention layer (the first is layer {target.attention_layers[0]})")
     ids = tuple(int(i) for i in np.linspace(0, layers - 2, draft.num_features).round())
     return cut, dataclasses.replace(draft, num_target_layers=layers, target_layer_ids=ids)
 
@@ -192,7 +197,8 @@ def preset_models(name: str, block_size: int | None = None, dtype: Any = jnp.flo
     target, draft = preset_configs(name, block_size, draft_layers, target_layers)
     if block_size is not None and not 2 <= block_size <= draft.block_size:
         raise UserError(f"block_size {block_size} must be between 2 and the draft's block_size {draft.block_size}")
-    target_params = random_params(abstract_target_params(target, dtype), seed)
+    target_params = random_params(abstract_target_params(target, dtype), seed,
+                                  zero_centered_norms=target.zero_centered_norms)
     draft_params = random_params(abstract_draft_params(draft, dtype), seed + 1)
     return target, target_params, draft, draft_params
 
@@ -372,6 +378,15 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
 
     benches.append(Bench("verify", verify, (tp, block_tokens, block_positions), (state0.cache,)))
     features = benches[-1].out[1]
+    if tc.linear_layers:
+        # Hybrid targets: the rollback of every Gated DeltaNet layer to an accepted prefix (half the block here),
+        # as the next forward forms it from the verified block's terms (models/gated_deltanet.committed_state).
+        verified = benches[-1].out[2].with_lengths(start + block // 2)
+
+        def rollback(cache):
+            return [committed_state(state, cache.lengths) for state in cache.linear]
+
+        benches.append(Bench("rollback", rollback, (), (verified,)))
 
     # The previous round's B verified positions (here the last B of the context) are written in the forward.
     ctx = (features, start[:, None] - block + jnp.arange(block, dtype=jnp.int32)[None], jnp.ones((b, block), bool))
@@ -602,9 +617,14 @@ def format_report(r: dict, title: str = "") -> str:
         ("round", "round     DFlash round (draft + verify + accept)"),
         ("ar_round", "AR round  autoregressive round (step + accept)"),
     ]
+    if "rollback" in t:
+        rows.insert(2, ("rollback", "rollback  linear layers' states to an accepted prefix (in verify)"))
     for key, label in rows:
         lines.append(f"  {label:60s} {t[key]['median_ms']:9.3f}  {t[key]['min_ms']:9.3f}  "
                      f"{t[key]['median_ms'] / ar:9.2f}")
+    if "rollback" in t:
+        lines.append(f"  rollback / round: {t['rollback']['median_ms'] / t['round']['median_ms']:.1%} (timed alone; "
+                     "inside a round it is part of the next verify forward)")
     lines.append(f"  {'round - verify - draft (engine overhead)':60s} {r['ratios']['round_overhead_ms']:9.3f}")
     if "draft_window" in t:
         for key in ("draft_window", "round_window"):

@@ -18,12 +18,20 @@ def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) 
 HOST_INIT_LIMIT = 300_000_000  # parameters; bigger models are drawn on the device
 
 
-def random_params(abstract: Any, seed: int = 0, std: float | None = None) -> Any:
+def _is_zero_centered_norm(path) -> bool:
+    """A zero-centred RMSNorm's weight (hybrid targets scale by ``1 + w``), i.e. every norm weight but the
+    Gated DeltaNet's output norm (``linear_attn/norm``, a plain scale)."""
+    keys = [getattr(k, "key", "") for k in path]
+    return not (len(keys) >= 3 and keys[-3:] == ["linear_attn", "norm", "weight"])
+
+
+def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_centered_norms: bool = False) -> Any:
     """Random weights for a params tree of ``jax.ShapeDtypeStruct``. Norm weights are one, biases zero,
     embeddings N(0, 1), linear kernels ``[in, out]`` N(0, 1/in) (packed MXFP4 experts: random codes at
     scale 2^-5), or N(0, std^2) when ``std`` is given (0.02 is
     Hugging Face's ``initializer_range``, a new draft's start). Unit-scale activations keep greedy choices
-    well separated in speed runs and tests. Models up to ``HOST_INIT_LIMIT`` parameters are drawn with NumPy
+    well separated in speed runs and tests. ``zero_centered_norms`` (a hybrid target's
+    ``TargetConfig.zero_centered_norms``): its norm weights start at zero, the identity of ``1 + w``. Models up to ``HOST_INIT_LIMIT`` parameters are drawn with NumPy
     (no per-shape compiles); bigger ones (8B) with ``jax.random`` directly on the default device, with no
     host copy."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
@@ -38,7 +46,8 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None) -> Any
             codes = rng.integers(0, 256, shape) if name.endswith("_blocks") else np.full(shape, 122)
             out.append(jnp.asarray(codes, dtype))
         elif name == "weight" and len(shape) == 1:
-            out.append(jnp.asarray(np.ones(shape, np.float32), dtype))
+            value = 0.0 if zero_centered_norms and _is_zero_centered_norm(path) else 1.0
+            out.append(jnp.asarray(np.full(shape, value, np.float32), dtype))
         elif name == "bias":
             out.append(jnp.asarray(np.zeros(shape, np.float32), dtype))
         else:
