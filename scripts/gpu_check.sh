@@ -14,6 +14,9 @@
 #    Qwen3-Coder-30B-A3B, 61 GB; 24 for gpt-oss-20b, 42 GB): verify(B) / AR step and the speedup bound, with the
 #    experts computed the engine's way (auto) and, for Qwen3-Coder's 128 experts, routed only (grouped).
 #    These add up to ~6 minutes more; run them alone with STEPS=moe.
+# 6. the speed tool at the whole hybrid Qwen3.5-4B (32 layers, 24 of them Gated DeltaNet) and Qwen3.5-35B-A3B
+#    (40 layers, ~70 GB) in bfloat16: verify through the linear layers, the rollback of their states (should be
+#    under 5% of a round), the draft and the bound; ~3 minutes; alone with STEPS=hybrid.
 # Each step writes OUT_DIR/<step>.txt and prints its tail; a step that fails or runs out of time does not stop
 # the next.
 set -uo pipefail
@@ -34,7 +37,7 @@ step() {
 { nvidia-smi; python -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"; } \
   > "$OUT_DIR/machine.txt" 2>&1
 cat "$OUT_DIR/machine.txt"
-if [ "${STEPS:-all}" != moe ]; then
+if [ "${STEPS:-all}" = all ]; then
 step tests 180 python -m pytest -q -p no:cacheprovider tests/test_fused_attention.py tests/test_engine_greedy.py \
   tests/test_adaptive.py tests/test_replay.py tests/test_engine_sampling.py
 step speed-8b 120 python -m infer speed --preset qwen3-8b --dtype bfloat16 --context 1024 --new-tokens 256 --tau 6 \
@@ -45,6 +48,7 @@ for kernel in cudnn loop; do
 done
 step prefill-memory 50 python scripts/prefill_memory.py --lengths 4096,16384,32768
 fi
+if [ "${STEPS:-all}" != hybrid ]; then
 for path in auto grouped; do
   step "speed-qwen3-coder-30b-a3b-$path" 150 python -m infer speed --preset qwen3-coder-30b-a3b --target-layers 48 \
     --dtype bfloat16 --context 1024 --new-tokens 129 --tau 6 --repeats 5 --expert-path "$path" \
@@ -52,3 +56,8 @@ for path in auto grouped; do
 done
 step speed-gpt-oss-20b 120 python -m infer speed --preset gpt-oss-20b --target-layers 24 --dtype bfloat16 \
   --context 1024 --new-tokens 129 --tau 4 --repeats 5 --json "$OUT_DIR/speed-gpt-oss-20b.json"
+fi
+step speed-qwen3.5-4b 90 python -m infer speed --preset qwen3.5-4b --target-layers 32 --dtype bfloat16 \
+  --context 1024 --new-tokens 129 --tau 6 --repeats 5 --json "$OUT_DIR/speed-qwen3.5-4b.json"
+step speed-qwen3.5-35b-a3b 150 python -m infer speed --preset qwen3.5-35b-a3b --target-layers 40 --dtype bfloat16 \
+  --context 1024 --new-tokens 129 --tau 6 --repeats 5 --json "$OUT_DIR/speed-qwen3.5-35b-a3b.json"

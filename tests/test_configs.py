@@ -18,6 +18,10 @@ from draft_tiny import official_config
 
 SHIPPED = ["qwen3-8b-dflash-b16", "qwen3-4b-dflash-b16", "llama3.1-8b-instruct-dflash-b10", "tiny-test",
            "qwen3-coder-30b-a3b-dflash-b16", "gpt-oss-20b-dflash-b8", "gpt-oss-120b-dflash-b10"]
+HYBRID = ["qwen3.5-4b-dflash-b16", "qwen3.5-9b-dflash-b16", "qwen3.5-27b-dflash-b16", "qwen3.5-35b-a3b-dflash-b16",
+          "qwen3.5-122b-a10b-dflash-b16", "qwen3.5-397b-a17b-dflash-b16", "qwen3.6-27b-dflash-b16",
+          "qwen3.6-35b-a3b-dflash-b16", "qwen3-coder-next-dflash-b16"]
+SHIPPED += HYBRID
 
 
 def esc(path) -> str:
@@ -201,8 +205,32 @@ def test_gpt_oss_pairings(name, layers, experts, block, ids):
     assert draft[("fc", "kernel")] == (5 * 2880, 2880)
 
 
+@pytest.mark.parametrize("name", HYBRID)
+def test_hybrid_pairings(name):
+    """Three Gated DeltaNet layers in four (the last layer full attention), gated attention on a quarter of each
+    256-dim head, zero-centred norms; the draft reads neither the last layer nor a missing one."""
+    p = load_pairing(name)
+    t, d = p.target, p.draft
+    n = t.num_hidden_layers
+    assert t.linear_layers == tuple(i for i in range(n) if (i + 1) % 4) and t.attention_layers[-1] == n - 1
+    assert t.attention_output_gate and t.zero_centered_norms and (t.head_dim, t.rotary_dim) == (256, 64)
+    la = t.linear_attention
+    assert (la.num_k_heads, la.head_k_dim, la.head_v_dim, la.conv_kernel) == (16, 128, 128, 4)
+    assert t.vocab_size == 248320 or name.startswith("qwen3-coder-next")
+    assert max(d.target_layer_ids) < n - 1 and d.num_target_layers == n and d.block_size == 16
+    if "-a" in name or "next" in name:  # the MoE sizes: experts with a shared expert on every layer
+        assert t.experts.shared_intermediate_size > 0 and t.expert_layers == tuple(range(n))
+    else:
+        assert t.experts is None
+
+
+def test_qwen3_6_27b_draft_has_four_sliding_layers_and_one_full():
+    d = load_pairing("qwen3.6-27b-dflash-b16").draft
+    assert d.layer_types == ("sliding_attention",) * 4 + ("full_attention",) and d.sliding_window == 2048
+
+
 def test_moe_configs_say_what_is_assumed():
-    for name in ("qwen3-coder-30b-a3b-dflash-b16", "gpt-oss-20b-dflash-b8", "gpt-oss-120b-dflash-b10"):
+    for name in ("qwen3-coder-30b-a3b-dflash-b16", "gpt-oss-20b-dflash-b8", "gpt-oss-120b-dflash-b10", *HYBRID):
         text = (CONFIG_DIR / f"{name}.yaml").read_text()
         assert "ASSUMED" in text and "Sources" in text and "config.json" in text
 

@@ -5,6 +5,8 @@ import json
 import numpy as np
 import pytest
 
+from dflash_jax.errors import UserError
+
 from dflash_jax.evaluation.speed import plant_errors
 from infer.speed import main
 
@@ -123,6 +125,22 @@ def test_help_explains_every_flag(capsys):
                  "--dtype", "--repeats", "--json", "qwen3-8b", "small", "--target-layers", "--expert-path",
                  "qwen3-coder-30b-a3b", "gpt-oss-20b"):
         assert flag in out
+
+
+@pytest.mark.parametrize("name,pairing", [("qwen3.5-4b", "qwen3.5-4b-dflash-b16"),
+                                          ("qwen3.5-35b-a3b", "qwen3.5-35b-a3b-dflash-b16")])
+def test_cut_hybrid_presets_keep_a_layer_of_each_kind(name, pairing):
+    from dflash_jax.configs import load_pairing
+    from dflash_jax.evaluation.speed import preset_configs
+
+    full = load_pairing(pairing)
+    target, draft = preset_configs(name)
+    assert target.num_hidden_layers == 4 and target.linear_layers == (0, 1, 2) and target.attention_layers == (3,)
+    for field in ("hidden_size", "linear_attention", "experts", "rotary_dim", "attention_output_gate", "vocab_size"):
+        assert getattr(target, field) == getattr(full.target, field)
+    draft.validate_against(target)
+    with pytest.raises(UserError, match="all linear attention; keep at least one full-attention layer"):
+        preset_configs(name, target_layers=3)
 
 
 @pytest.mark.parametrize("name,pairing,layers", [("qwen3-coder-30b-a3b", "qwen3-coder-30b-a3b-dflash-b16", 2),

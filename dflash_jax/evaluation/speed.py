@@ -108,6 +108,15 @@ CUT_PRESETS = {
         "gpt-oss-20b-dflash-b8", 2,
         "hidden 2880, 64/8 heads of 64, 32 experts top-4 of width 2880, sinks, window 128 on even layers, "
         "vocab 201088; draft 8 layers, block 8"),
+    # Hybrids: 4 layers keep one of each kind (three Gated DeltaNet layers, then a gated full-attention layer).
+    "qwen3.5-4b": CutPreset(
+        "qwen3.5-4b-dflash-b16", 4,
+        "hidden 2560, Gated DeltaNet 16/32 heads of 128 on 3 layers in 4, gated attention 16/4 heads of 256 with "
+        "64 rotary dims, MLP 9216, tied vocab 248320; draft 6 layers"),
+    "qwen3.5-35b-a3b": CutPreset(
+        "qwen3.5-35b-a3b-dflash-b16", 4,
+        "hidden 2048, Gated DeltaNet 16/32 heads of 128 on 3 layers in 4, gated attention 16/2 heads of 256, "
+        "256 experts top-8 of width 512 plus a shared expert, vocab 248320; draft 8 layers"),
 }
 PRESETS = tuple(SHAPE_PRESETS) + tuple(PAIRING_PRESETS) + tuple(CUT_PRESETS)
 
