@@ -395,7 +395,7 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
         def rollback(cache):
             return [committed_state(state, cache.lengths) for state in cache.linear]
 
-        benches.append(Bench("rollback", rollback, (), (verified,)))
+        benches.append(Bench("rollback", rollback, (), (verified,), donate=False))
 
     # The previous round's B verified positions (here the last B of the context) are written in the forward.
     ctx = (features, start[:, None] - block + jnp.arange(block, dtype=jnp.int32)[None], jnp.ones((b, block), bool))
