@@ -5,10 +5,10 @@ MLPs over ``tensor``, rows over ``data``/``fsdp``) give the same tokens and acce
 1e-5 absolute (measured 2.3e-6 on gpt-oss, whose sinks and experts give larger activations; 5e-7 on
 Qwen3-MoE), updated params 1e-5 absolute (the other tolerances of tests/test_train_step.py); a gpt-oss
 checkpoint loaded straight into the mesh's shardings equals a one-device load exactly (and a Qwen3-Next one).
-Not checked: the hybrid's sharded TRAIN step. On 8 fake CPU devices (2 cores) it stalls inside XLA:CPU's
-runtime in most runs (compiled, then every thread idle; the same step on one device, and the same mesh's
-engine, run fine; seen intermittently with Qwen3-MoE and the dense hybrid as well), so it is left for a real
-multi-device machine. Runs
+The hybrid's train step is checked on fsdp=8 (batch and weights split 8 ways) only: with a tensor or expert
+axis (tensor=8, expert=8, fsdp=2,tensor=2,expert=2) it stalls inside XLA:CPU's runtime on 8 fake CPU devices
+(compiled, then every thread idle, never returns; the same step on one device and on fsdp=8, and those meshes'
+engine, run fine; the dense hybrid stalls the same way), so those meshes are left for a real machine. Runs
 tests/sharded_moe_check.py in a subprocess (the device count is fixed when JAX starts)."""
 
 import json
@@ -42,7 +42,8 @@ def test_sharded_moe_targets_equal_one_device():
         assert {a for row in runs["one/oracle"]["accept"] for a in row} >= {1, 2, 3}
         # The experts really were split over the expert axis.
         assert any("'expert'" in s for s in out[family]["param_specs"]["data=2,tensor=2,expert=2"]), out[family]
-        assert out[family]["train"] or family != "gpt_oss"
+        assert out[family]["train"] or family == "qwen3_moe"
         for spec, diff in out[family]["train"].items():
-            assert any("expert" in s for s in diff["expert_specs"]), (family, spec, diff)
+            axis = "expert" if "expert" in spec else "fsdp"  # the experts really were split over the mesh
+            assert any(axis in s for s in diff["expert_specs"]), (family, spec, diff)
             assert diff["loss"] <= 1e-6 and diff["grads"] <= 1e-5 and diff["params"] <= 1e-5, (family, spec, diff)
