@@ -89,3 +89,20 @@ def tiny_draft(vocab: int = VOCAB, block: int = 8, seed: int = 1):
                           dflash_config={"target_layer_ids": [0, 2], "mask_token_id": vocab - 1})
     config = DraftConfig.from_dict(cfg)
     return config, init_draft_params(config, seed=seed)
+
+
+def planted_schedule(prompts, continuations, schedules, block: int, width: int):
+    """``(reference, errors)`` for ``OracleProposer``: the rows' prompts + greedy continuations by position, and
+    an error right after each round's accepted part, so that row b's rounds commit ``schedules[b]`` tokens in
+    turn (``block`` = the whole block accepted)."""
+    reference = np.zeros((len(prompts), width), np.int32)
+    errors = np.zeros((len(prompts), width), bool)
+    for b, (prompt, gen) in enumerate(zip(prompts, continuations)):
+        seq = list(prompt) + list(gen)
+        reference[b, : len(seq)] = seq
+        start = len(prompt)
+        for length in schedules[b]:
+            if length < block:
+                errors[b, start + length] = True
+            start += length
+    return reference, errors

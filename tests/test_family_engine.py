@@ -24,7 +24,7 @@ from dflash_jax.models.draft import DraftModel, shared_head
 from dflash_jax.models.experts import force_expert_path
 from dflash_jax.models.target import TargetModel
 from dflash_jax.training.step import StepConfig, init_train_state, make_optimizer, make_train_step
-from engine_tiny import HYBRID_FAMILIES, MOE_FAMILIES, tiny_draft, tiny_moe_target
+from engine_tiny import HYBRID_FAMILIES, MOE_FAMILIES, planted_schedule, tiny_draft, tiny_moe_target
 from train_tiny import STEP_KW
 
 BLOCK = 8
@@ -105,17 +105,7 @@ def test_planted_acceptance_patterns_are_lossless(setup):
     so the KV caches of every layer, sliding and full, are rolled back by every amount."""
     _, tc, tp, _, _, prompts, settings, ar = setup
     schedules = [[1, 8, 3, 5, 2, 7, 4, 6, 1], [8, 8, 1, 1, 6, 3, 2], [2, 4, 8, 1, 5, 7, 3, 6]]
-    width = 16 + MAX_NEW + BLOCK
-    reference = np.zeros((len(prompts), width), np.int32)
-    errors = np.zeros((len(prompts), width), bool)
-    for b, (p, gen) in enumerate(zip(prompts, ar.tokens)):
-        seq = p + gen
-        reference[b, : len(seq)] = seq
-        start = len(p)
-        for length in schedules[b]:
-            if length < BLOCK:
-                errors[b, start + length] = True
-            start += length
+    reference, errors = planted_schedule(prompts, ar.tokens, schedules, BLOCK, 16 + MAX_NEW + BLOCK)
     prop = OracleProposer(BLOCK, tc.vocab_size)
     out = generate(tc, tp, prompts, prop, prop.init(jnp.asarray(reference), jnp.asarray(errors)), settings)
     assert out.tokens == ar.tokens

@@ -28,7 +28,7 @@ from dflash_jax.engine.proposers import NoProposer, OracleProposer
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.models.gated_deltanet import committed_state
 from dflash_jax.models.target import TargetModel, init_cache
-from engine_tiny import tiny_moe_target
+from engine_tiny import planted_schedule, tiny_moe_target
 
 BLOCK = 6
 PROMPT_LENGTHS = (5, 9, 3)
@@ -100,20 +100,10 @@ def test_extension_then_lower_lengths_equals_running_only_the_kept_tokens(target
 @pytest.mark.parametrize("temperature", [0.0, 0.1])
 def test_states_after_every_round_equal_a_fresh_prefill_of_the_committed_tokens(target, temperature):
     tc, tp, prompts, ar = target
-    width = max(PROMPT_LENGTHS) + MAX_NEW + BLOCK
-    reference = np.zeros((len(prompts), width), np.int32)
-    errors = np.zeros((len(prompts), width), bool)
     # Acceptance schedules per row (committed tokens per round; BLOCK = the whole block accepted): the
     # oracle proposes the greedy continuation, wrong right after each round's accepted part.
     schedules = [[1, BLOCK, 3, 2, BLOCK, 1], [BLOCK, BLOCK, 1, 4, 5], [2, 1, 1, BLOCK, 3]]
-    for b, (prompt, gen) in enumerate(zip(prompts, ar)):
-        seq = prompt + gen
-        reference[b, : len(seq)] = seq
-        start = len(prompt)
-        for length in schedules[b]:
-            if length < BLOCK:
-                errors[b, start + length] = True
-            start += length
+    reference, errors = planted_schedule(prompts, ar, schedules, BLOCK, max(PROMPT_LENGTHS) + MAX_NEW + BLOCK)
     prop = OracleProposer(BLOCK, tc.vocab_size)
     consts, pstate = prop.init(jnp.asarray(reference), jnp.asarray(errors))
     settings = DecodeSettings(max_new_tokens=MAX_NEW, sampling=SamplingConfig(temperature))
