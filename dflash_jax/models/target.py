@@ -180,7 +180,10 @@ class TargetModel(nn.Module):
         every slot at or before their position and below the row's new length. Without a cache the tokens
         see each other causally by position (a plain full forward). ``valid [B, T]`` marks real tokens
         (padding is neither written nor attended to). ``logits_at [B, K]`` selects token indices for the
-        head, which saves the ``[B, T, V]`` logits of a long prefill.
+        head, which saves the ``[B, T, V]`` logits of a long prefill. Hybrid targets: with a cache, a row's
+        valid tokens must continue it from its length, as the engine's prefill chunks and rounds do (a linear
+        layer's state has no slots to write at other positions); lowering lengths afterwards rolls the linear
+        states back too (``models/cache.py``).
         """
         if valid is None:
             valid = jnp.ones(tokens.shape, bool)
