@@ -407,7 +407,7 @@ class GatedDeltaNet(nn.Module):
             o, (keys, deltas, decay) = gated_delta_block(q, k, v, g, beta, rec_state, valid=valid)
             pad = lambda a: jnp.pad(a, [(0, 0), (0, width - t)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
             new = LinearState(conv=conv_state, recurrent=rec_state, start=lengths.astype(jnp.int32),
-                              inputs=pad(jnp.where(valid[..., None], pre_conv, 0).astype(cache.inputs.dtype)),
+                              inputs=pad(pre_conv.astype(cache.inputs.dtype)),  # pads project to zeros
                               keys=pad(keys), deltas=pad(deltas), decay=pad(decay))
         else:  # a prefill chunk: folded in whole (nothing to roll back into)
             o, rec = gated_delta_chunked(q, k, v, g, beta, rec_state, self.chunk_size, valid=valid)
