@@ -29,10 +29,10 @@ from engine_tiny import tiny_draft, tiny_target  # noqa: E402
 from train_tiny import STEP_KW, tiny_tokenized  # noqa: E402
 
 
-def run(mesh_spec, devices, accum):
+def run(mesh_spec, devices, accum, **loss_kw):
     tc, tp = tiny_target()
     dc, dp = tiny_draft()
-    cfg = StepConfig(feature_layers=dc.target_layer_ids, accum_steps=accum, **STEP_KW)
+    cfg = StepConfig(feature_layers=dc.target_layer_ids, accum_steps=accum, **STEP_KW, **loss_kw)
     data = tiny_tokenized(rows=8)
     batch = data.padded_rows()
     mesh = sharding.make_mesh(mesh_spec, devices)
@@ -92,4 +92,16 @@ out = {"devices": [one[3], eight[3]], "loss": one[0], "sharded_specs": eight[4],
 for name, other in (("accum4", accum), ("devices8", eight), ("devices8_accum4", eight_accum), ("fsdp8", fsdp)):
     out[name] = {"loss": abs(other[0] - one[0]), "grads": max_diff(other[1], one[1]),
                  "params": max_diff(other[2], one[2])}
+# The distillation losses and D-PACE (their sums must add up over devices and micro-steps just the same).
+KL_DPACE = dict(loss="ce+kl", kl_weight=0.3, temperature=0.8, position_weights="dpace")
+mixed = run("data=1", devs[:1], 1, **KL_DPACE)
+for name, other in (("ce+kl,dpace/accum4", run("data=1", devs[:1], 4, **KL_DPACE)),
+                    ("ce+kl,dpace/devices8", run("data=2,fsdp=2,tensor=2", devs, 1, **KL_DPACE))):
+    out[name] = {"loss": abs(other[0] - mixed[0]) / abs(mixed[0]), "grads": max_diff(other[1], mixed[1]),
+                 "params": max_diff(other[2], mixed[2])}
+kl = run("data=1", devs[:1], 1, loss="kl")
+other = run("data=2,fsdp=2,tensor=2", devs, 4, loss="kl")
+out["kl/devices8_accum4"] = {"loss": abs(other[0] - kl[0]) / abs(kl[0]), "grads": max_diff(other[1], kl[1]),
+                             "params": max_diff(other[2], kl[2])}
+out["kl_loss_differs_from_ce"] = abs(kl[0] - one[0]) / abs(one[0])
 print(json.dumps(out))

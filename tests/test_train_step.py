@@ -44,8 +44,9 @@ def unchunked_loss(tc, tp, dc, dp, batch, key, cfg):
     target, draft = TargetModel(tc), DraftModel(dc)
     n, length = batch["tokens"].shape
     pos = jnp.broadcast_to(jnp.arange(length)[None], (n, length))
-    feats = target.apply({"params": tp}, batch["tokens"], pos, valid=pos < batch["lengths"][:, None],
-                         feature_layers=dc.target_layer_ids, skip_logits=True).features
+    out = target.apply({"params": tp}, batch["tokens"], pos, valid=pos < batch["lengths"][:, None],
+                       feature_layers=dc.target_layer_ids)
+    feats = out.features
     keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(n))
     anchors, valid = jax.vmap(lambda k, m, le: sample_anchors(k, m, le, cfg.num_anchors))(
         keys, batch["loss_mask"], batch["lengths"])
@@ -53,24 +54,37 @@ def unchunked_loss(tc, tp, dc, dp, batch, key, cfg):
     blk, bpos, labels, lmask = block_labels(batch["tokens"], batch["loss_mask"], batch["lengths"], anchors, valid,
                                             cfg.block_size, mask_token_id=cfg.mask_token_id)
 
+    # The target's logits predicting block position k come from its full forward at position anchor + k - 1.
+    at = jnp.clip(bpos - 1, 0, length - 1)
+    target_logits = jnp.take_along_axis(out.logits[:, None], at[..., None], axis=2)
+    spec = cfg.loss_spec
+
     def loss(p):
         logits = draft_training_logits(draft, p, feats, blk, bpos, valid, shared_head(tp, False))
-        return dflash_loss(logits, labels, lmask, cfg.gamma)[0]
+        return dflash_loss(logits, labels, lmask, cfg.gamma, target_logits, kl_weight=spec.kl_weight,
+                           temperature=spec.temperature, position_weights=spec.position_weights,
+                           dpace_alpha=spec.dpace_alpha)[0]
 
     return jax.jit(jax.value_and_grad(loss))(dp)
 
 
-@pytest.mark.parametrize("chunk", [6, 4, 1])
-def test_chunked_loss_and_gradients_equal_unchunked(setup, chunk):
+@pytest.mark.parametrize("chunk,loss_kw", [
+    (6, {}), (4, {}), (1, {}),
+    (4, {"loss": "kl", "temperature": 0.8}),
+    (1, {"loss": "ce+kl", "kl_weight": 0.3, "position_weights": "dpace", "dpace_alpha": 0.4}),
+], ids=["ce-6", "ce-4", "ce-1", "kl-4", "ce+kl-dpace-1"])
+def test_chunked_loss_and_gradients_equal_unchunked(setup, chunk, loss_kw):
+    """Also for the KL losses (the target's logits formed chunk by chunk from its final hidden states vs its
+    own full forward's logits) and D-PACE (weights from each chunk's own cross-entropies)."""
     tc, tp, dc, dp, batch = setup
-    cfg = StepConfig(feature_layers=dc.target_layer_ids, **{**STEP_KW, "anchor_chunk": chunk})
+    cfg = StepConfig(feature_layers=dc.target_layer_ids, **{**STEP_KW, "anchor_chunk": chunk, **loss_kw})
     key = jax.random.PRNGKey(3)
     ref_loss, ref_grads = unchunked_loss(tc, tp, dc, dp, batch, key, cfg)
     target, draft = TargetModel(tc), DraftModel(dc)
 
     def loss(p):
         sums = batch_loss_sums(p, tp, batch, key, jnp.arange(4), target, draft, cfg)
-        return sums.weighted_ce / sums.weight
+        return sums.objective(cfg.kl_share) / sums.weight
 
     value, grads = jax.jit(jax.value_and_grad(loss))(dp)
     np.testing.assert_allclose(value, ref_loss, rtol=1e-5)
@@ -95,7 +109,8 @@ def test_anchor_logits_are_never_computed():
 
 
 def test_sharded_and_accumulated_steps_equal_one_device():
-    """8 fake CPU devices (data=2, fsdp=2, tensor=2; fsdp=8) and 4 accumulation micro-steps against 1 device;
+    """8 fake CPU devices (data=2, fsdp=2, tensor=2; fsdp=8) and 4 accumulation micro-steps against 1 device,
+    for the cross-entropy and for the KL / ce+kl / D-PACE losses;
     on the 8-device meshes no collective outside the frozen target moves activations of the whole batch (on
     an fsdp mesh XLA otherwise lays the draft's activations out like the fsdp-split weights, computes every
     row on every device and all-reduces the chunk logits: 61 such collectives on fsdp=8 without the
@@ -112,3 +127,9 @@ def test_sharded_and_accumulated_steps_equal_one_device():
         assert out[name]["loss"] <= 1e-6 * abs(out["loss"]), (name, out)
         assert out[name]["grads"] <= 1e-6, (name, out)
         assert out[name]["params"] <= 1e-5, (name, out)
+    # The KL and D-PACE losses: relative loss differences, same tolerances.
+    for name in ("ce+kl,dpace/accum4", "ce+kl,dpace/devices8", "kl/devices8_accum4"):
+        assert out[name]["loss"] <= 1e-6, (name, out)
+        assert out[name]["grads"] <= 1e-6, (name, out)
+        assert out[name]["params"] <= 1e-5, (name, out)
+    assert out["kl_loss_differs_from_ce"] > 1e-3  # the KL runs really are another loss

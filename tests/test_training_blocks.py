@@ -265,6 +265,67 @@ def test_dflash_loss_vs_numpy():
     assert np.mean(acc_lens) > 1.0
 
 
+def brute_block_loss(logits, target_logits, labels, mask, a, temperature, weights, gamma=4.0, alpha=0.5):
+    """Plain-Python float64 loss of blocks ``[..., B]``: per position ``(1 - a) ce + a KL(p_T || q)``, weighted by
+    the decay or by D-PACE written from its definition (w_j = sum over labelled m >= j of the product over
+    labelled i <= m of (1 - alpha) q_i + alpha, q_i = the draft's probability of the label)."""
+    def log_softmax(x):
+        x = x.astype(np.float64)
+        return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+    num = norm = 0.0
+    for idx in np.ndindex(*labels.shape[:-1]):
+        ks = [k for k in range(1, labels.shape[-1]) if mask[idx][k]]
+        ce = {k: -log_softmax(logits[idx][k])[labels[idx][k]] for k in ks}
+        if weights == "dpace":
+            w = {j: sum(np.prod([(1 - alpha) * np.exp(-ce[i]) + alpha for i in ks if i <= m]) for m in ks if m >= j)
+                 for j in ks}
+            norm += 1.0 if ks else 0.0
+        else:
+            w = {k: np.exp(-(k - 1) / gamma) for k in ks}
+            norm += sum(w.values())
+        for k in ks:
+            log_q, log_p = log_softmax(logits[idx][k]), log_softmax(target_logits[idx][k] / temperature)
+            kl = float(np.sum(np.exp(log_p) * (log_p - log_q)))
+            num += w[k] * ((1 - a) * ce[k] + a * kl)
+    return num / norm
+
+
+@pytest.mark.parametrize("kl_weight,temperature,weights", [(1.0, 1.0, "decay"), (0.3, 0.7, "decay"),
+                                                           (0.0, 1.0, "dpace"), (0.5, 2.0, "dpace")])
+def test_kl_and_dpace_losses_vs_brute_force(kl_weight, temperature, weights):
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((2, A, B, 11)).astype(np.float32) * 3
+    target_logits = rng.standard_normal((2, A, B, 11)).astype(np.float32) * 3
+    labels = np.where(rng.random((2, A, B)) < 0.5, logits.argmax(-1), rng.integers(0, 11, (2, A, B))).astype(np.int32)
+    mask = rng.random(labels.shape) < 0.8  # holes inside blocks: D-PACE's product skips them
+    mask[..., 0] = False
+    mask[1, 3:] = False  # whole blocks without labels add nothing to either normaliser
+    fn = jax.jit(functools.partial(dflash_loss, gamma=4.0, kl_weight=kl_weight, temperature=temperature,
+                                   position_weights=weights, dpace_alpha=0.5))
+    loss, metrics = fn(logits, labels, mask, target_logits=target_logits)
+    np.testing.assert_allclose(loss, brute_block_loss(logits, target_logits, labels, mask, kl_weight, temperature,
+                                                      weights), rtol=1e-5)
+    if kl_weight > 0:  # the two terms are reported apart and mix to the loss
+        np.testing.assert_allclose((1 - kl_weight) * metrics["ce"] + kl_weight * metrics["kl"], loss, rtol=1e-5)
+        assert float(metrics["kl"]) > 0
+
+
+def test_kl_of_the_draft_equal_to_the_target_is_zero_and_its_gradient_vanishes():
+    rng = np.random.default_rng(6)
+    z = jnp.asarray(rng.standard_normal((3, B, 11)).astype(np.float32))
+    labels, mask = jnp.zeros((3, B), jnp.int32), jnp.ones((3, B), bool)
+
+    def kl(x):
+        return dflash_loss(x, labels, mask, 4.0, target_logits=z, kl_weight=1.0)[0]
+
+    assert abs(float(kl(z))) < 1e-6
+    assert float(jnp.max(jnp.abs(jax.grad(kl)(z)))) < 1e-6
+    assert float(kl(z + jnp.asarray(rng.standard_normal(z.shape), jnp.float32))) > 1e-2
+    with pytest.raises(ValueError, match="target's logits"):
+        dflash_loss(z, labels, mask, 4.0, kl_weight=1.0)
+
+
 def test_gradient_flows_to_draft_params_only(bundle):
     _, _, config, params, model, shared, _, _ = bundle
     feats, blk, pos, labels, label_mask = packed_inputs(config)

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=("bfloat16", "float32", "auto"),
                         help="compute dtype of target and draft (default bfloat16; 'auto' plans for an "
                              "accelerator, i.e. bfloat16); the draft's master weights and Adam state are float32")
+    parser.add_argument("--loss", choices=("ce", "kl", "ce+kl"),
+                        help="training loss (default: the run config's, or ce); kl and ce+kl also run the "
+                             "target's head over the labelled block positions, chunk by chunk")
     parser.add_argument("--device-memory-gib", type=float, default=80.0, metavar="GIB",
                         help="memory of one device to compare the total with (default 80)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -117,7 +120,7 @@ def _settings(args: argparse.Namespace) -> dict:
 
         pairing = load_pairing(args.pairing)
         name, target, draft = pairing.name, pairing.target, pairing.draft
-        base = dict(PAPER, mesh=None, gamma=None, optimizer={})
+        base = dict(PAPER, mesh=None, gamma=None, optimizer={}, loss="ce", kl_weight=0.5)
     else:
         from dflash_jax.training.run_config import load_run_config
         from dflash_jax.training.trainer import UNIFORM_GAMMA
@@ -139,12 +142,13 @@ def _settings(args: argparse.Namespace) -> dict:
         base = {"global_batch": t["global_batch"], "seq_len": cfg["data"]["max_length"],
                 "num_anchors": t["num_anchors"], "anchor_chunk": t["anchor_chunk"], "accum_steps": t["accum_steps"],
                 "dtype": t["dtype"], "mesh": cfg["mesh"],
-                "gamma": UNIFORM_GAMMA if t["uniform_loss"] else t["gamma"],
+                "gamma": UNIFORM_GAMMA if t["uniform_loss"] else t["gamma"], "loss": t["loss"],
+                "kl_weight": t["kl_weight"],
                 "optimizer": {"learning_rate": t["learning_rate"], "warmup_ratio": t["warmup_ratio"],
                               "clip_norm": t["clip_norm"], "weight_decay": t["weight_decay"],
                               "min_lr_ratio": t["min_lr_ratio"]}}
     s = dict(base)
-    for key in ("global_batch", "seq_len", "num_anchors", "anchor_chunk", "accum_steps", "dtype", "mesh"):
+    for key in ("global_batch", "seq_len", "num_anchors", "anchor_chunk", "accum_steps", "dtype", "mesh", "loss"):
         value = getattr(args, key)
         if value is not None:
             s[key] = value
@@ -211,7 +215,7 @@ def plan_main(args: argparse.Namespace) -> int:
     step_cfg = StepConfig(block_size=draft.block_size, gamma=float(s["gamma"]), mask_token_id=draft.mask_token_id,
                           feature_layers=draft.target_layer_ids, num_anchors=s["num_anchors"],
                           anchor_chunk=s["anchor_chunk"], accum_steps=s["accum_steps"],
-                          tied_head=target.tie_word_embeddings)
+                          tied_head=target.tie_word_embeddings, loss=s["loss"], kl_weight=float(s["kl_weight"]))
     optimizer, schedule = make_optimizer(total_steps=1000, **s["optimizer"])
     if not args.json:
         shown = ",".join(f"{a}={n}" for a, n in mesh.shape.items())
@@ -223,7 +227,7 @@ def plan_main(args: argparse.Namespace) -> int:
     result.update(
         name=s["name"], dtype=s["dtype"], global_batch=s["global_batch"], seq_len=s["seq_len"],
         num_anchors=s["num_anchors"], anchor_chunk=min(s["anchor_chunk"], s["num_anchors"]),
-        accum_steps=s["accum_steps"], block_size=draft.block_size, num_draft_layers=draft.num_hidden_layers,
+        accum_steps=s["accum_steps"], loss=s["loss"], block_size=draft.block_size, num_draft_layers=draft.num_hidden_layers,
         device_memory_gib=args.device_memory_gib, fits=result["resident_total_bytes"] <= limit,
     )
     if args.json:
@@ -244,7 +248,7 @@ def format_plan(r: dict) -> str:
         f"train step of {r['name']}: mesh {mesh} ({r['num_devices']} {r['backend']} device(s)), {r['dtype']}",
         f"  batch {r['global_batch']} x {r['seq_len']} tokens, {r['num_anchors']} anchors per sequence in chunks "
         f"of {r['anchor_chunk']}, block {r['block_size']}, {r['num_draft_layers']} draft layers, "
-        f"{r['accum_steps']} accumulation step(s)",
+        f"{r['accum_steps']} accumulation step(s), loss {r['loss']}",
         f"  traced and lowered in {r['lower_seconds']:.1f} s, compiled in {r['compile_seconds']:.1f} s",
         "",
         f"per device{unit:>41}",

@@ -31,6 +31,13 @@ class SharedHead(NamedTuple):
     head_kernel: jax.Array | None
 
 
+def head_logits(shared: SharedHead, x: jax.Array) -> jax.Array:
+    """The target's output head (tied or not) on final-normed hidden states ``[..., H]`` -> ``[..., V]``."""
+    if shared.head_kernel is None:
+        return jnp.einsum("...h,vh->...v", x, shared.embedding.astype(x.dtype))
+    return x @ shared.head_kernel.astype(x.dtype)
+
+
 class DraftOutput(NamedTuple):
     logits: jax.Array  # [B, block, V] (position 0, the anchor, is meaningless) or [B, block-1, V] without it
     cache: KVCache | None
@@ -199,11 +206,7 @@ class DraftModel(nn.Module):
 
     def logits(self, x: jax.Array, shared: SharedHead) -> jax.Array:
         cfg = self.config
-        x = self.norm(x)
-        if shared.head_kernel is None:
-            logits = jnp.einsum("...h,vh->...v", x, shared.embedding.astype(x.dtype))
-        else:
-            logits = x @ shared.head_kernel.astype(x.dtype)
+        logits = head_logits(shared, self.norm(x))
         if cfg.output_multiplier != 1.0:
             logits = logits * cfg.output_multiplier
         if cfg.final_logit_softcapping is not None:

@@ -16,6 +16,7 @@ import yaml
 
 from dflash_jax.models.config import ConfigError
 from dflash_jax.models.draft_config import CONTEXT_INJECTIONS
+from dflash_jax.training.loss import LOSSES, POSITION_WEIGHTS
 
 REQUIRED = object()
 
@@ -68,6 +69,13 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "anchor_chunk": (64, (int,), "anchors per rematerialised chunk (memory vs speed)"),
         "gamma": (None, (float, int), "loss decay exp(-(k-1)/gamma) (default: 7 for B=16, 5 for 10, 4 for 8)"),
         "uniform_loss": (False, (bool,), "ablation: equal weight for every block position"),
+        "loss": ("ce", (str,), "ce (cross-entropy on the data's tokens: the paper's), kl (forward KL against the "
+                               "target's own distribution, computed in the same step) or ce+kl"),
+        "kl_weight": (0.5, (float, int), "loss ce+kl: the KL share a of (1 - a) ce + a kl"),
+        "kl_temperature": (1.0, (float, int), "temperature of the target's distribution in the KL term"),
+        "position_weights": ("decay", (str,), "decay (exp(-(k-1)/gamma), the paper's) or dpace (D-PACE: each "
+                                              "position by the acceptance it still unlocks, arXiv 2605.18810)"),
+        "dpace_alpha": (0.5, (float, int), "position_weights dpace: smoothing of the draft's label probability"),
         "anchors": ("random", (str,), "random (fresh distinct anchors every step) or uniform (ablation: "
                                       "non-overlapping blocks end to end)"),
         "learning_rate": (6e-4, (float, int), "peak AdamW learning rate"),
@@ -99,7 +107,7 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
 POSITIVE = {"draft.num_layers", "draft.block_size", "draft.intermediate_size", "draft.num_attention_heads",
             "draft.num_key_value_heads", "draft.head_dim", "data.max_length", "train.epochs",
             "train.max_steps", "train.global_batch", "train.accum_steps", "train.num_anchors", "train.anchor_chunk",
-            "train.gamma", "train.learning_rate", "train.clip_norm", "output.save_every", "output.keep",
+            "train.gamma", "train.kl_temperature", "train.learning_rate", "train.clip_norm", "output.save_every", "output.keep",
             "output.log_every", "output.eval_num_prompts", "output.eval_max_new_tokens", "draft.init_std"}
 NON_NEGATIVE = {"train.warmup_ratio", "train.min_lr_ratio", "train.weight_decay", "output.eval_every", "train.seed"}
 
@@ -155,6 +163,17 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
         raise ConfigError(f"{source}: target.mxfp4 must be dequantize or packed, got {out['target']['mxfp4']!r}")
     if out["train"]["dtype"] not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"{source}: train.dtype must be auto, float32 or bfloat16, got {train['dtype']!r}")
+    if train["loss"] not in LOSSES:
+        raise ConfigError(f"{source}: train.loss must be one of {', '.join(LOSSES)}, got {train['loss']!r}")
+    if train["position_weights"] not in POSITION_WEIGHTS:
+        raise ConfigError(f"{source}: train.position_weights must be one of {', '.join(POSITION_WEIGHTS)}, got "
+                          f"{train['position_weights']!r}")
+    for key in ("kl_weight", "dpace_alpha"):
+        if not 0 <= train[key] <= 1:
+            raise ConfigError(f"{source}: train.{key} must lie in [0, 1], got {train[key]!r}")
+    if train["uniform_loss"] and train["position_weights"] != "decay":
+        raise ConfigError(f"{source}: train.uniform_loss replaces the decay weights; it cannot go with "
+                          f"train.position_weights {train['position_weights']}")
     if train["anchors"] not in ("random", "uniform"):
         raise ConfigError(f"{source}: train.anchors must be random or uniform, got {train['anchors']!r}")
     if out["draft"]["context_injection"] not in (None, *CONTEXT_INJECTIONS):

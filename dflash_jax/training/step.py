@@ -10,7 +10,7 @@ materialises ``[A*B, V]`` logits; compiled grad needs ~52 GiB per sequence. So:
 * each chunk goes straight from hidden states to the cross-entropy sums of its MASK positions; the anchor's
   logits are never computed and no ``[A*B, V]`` array exists.
 
-The loss is normalised globally: the step adds up ``LossSums`` (``sum(w * ce)``, ``sum(w)``, metric counts)
+The loss is normalised globally: the step adds up ``LossSums`` (``sum(w * loss)``, the normaliser, metric counts)
 over chunks, sequences, devices (XLA's reductions over the sharded batch) and accumulation micro-steps, and
 divides once. Anchors of a sequence come from ``fold_in(step key, global row index)``, so the same global
 batch gives the same anchors whatever the device count or accumulation split.
@@ -27,13 +27,13 @@ import jax.numpy as jnp
 import optax
 
 from dflash_jax.errors import UserError
-from dflash_jax.models.draft import DraftModel, SharedHead, shared_head
+from dflash_jax.models.draft import DraftModel, SharedHead, head_logits, shared_head
 from dflash_jax.models.target import TargetModel
 from dflash_jax.sharding import constrain_batch
 from dflash_jax.training.anchors import block_labels, sample_row_anchors, uniform_anchors
 from dflash_jax.precision import with_precision_policy
 from dflash_jax.training.forward import _block_hidden, _context_kv, frozen
-from dflash_jax.training.loss import LossSums, block_loss_sums, loss_and_metrics
+from dflash_jax.training.loss import LossSpec, LossSums, block_loss_sums, kl_share, loss_and_metrics
 
 Batch = dict[str, jax.Array]  # tokens [G, L] int32, loss_mask [G, L] bool, lengths [G] int32
 
@@ -51,6 +51,24 @@ class StepConfig:
     accum_steps: int = 1  # gradient-accumulation micro-steps per optimizer step (same global batch)
     tied_head: bool = False  # the target ties its output head to its embedding
     anchors: str = "random"  # "random" (the paper's) or "uniform" (non-overlapping blocks: the ablation)
+    loss: str = "ce"  # "ce" (the paper's), "kl" (forward KL against the target's distribution) or "ce+kl"
+    kl_weight: float = 0.5  # the KL share a of (1 - a) ce + a kl under loss "ce+kl"
+    temperature: float = 1.0  # of the target's distribution in the KL term
+    position_weights: str = "decay"  # "decay" (the paper's, gamma) or "dpace" (D-PACE, training/loss.py)
+    dpace_alpha: float = 0.5
+
+    def __post_init__(self):
+        self.loss_spec  # validates the loss fields
+
+    @property
+    def loss_spec(self) -> LossSpec:
+        return LossSpec(self.gamma, kl_share(self.loss, self.kl_weight), self.temperature, self.position_weights,
+                        self.dpace_alpha)
+
+    @property
+    def kl_share(self) -> float:
+        """The share of the KL term (0: the target's logits are never computed)."""
+        return self.loss_spec.kl_weight
 
 
 @flax.struct.dataclass
@@ -61,19 +79,37 @@ class TrainState:
     key: jax.Array  # uint32[2] base key; step s uses fold_in(key, s)
 
 
-def _chunk_logits_sums(module: DraftModel, context_kv, block_tokens, block_positions, anchor_valid, labels,
-                       label_mask, shared, gamma):
-    """Inside ``apply``: one chunk of anchors from block tokens to its ``LossSums`` (mask positions only)."""
+def _target_logits_at(shared: SharedHead, target_hidden: jax.Array, block_positions: jax.Array) -> jax.Array:
+    """The target's own logits ``[N, c, B-1, V]`` predicting block positions 1..B-1: its head over its final
+    (normed) hidden states one position earlier, ``anchor .. anchor+B-2`` (all inside the sequence; past a
+    row's length they carry no label)."""
+    n, c, b = block_positions.shape
+    at = jnp.clip(block_positions[..., :-1], 0, target_hidden.shape[1] - 1).reshape(n, c * (b - 1))
+    hidden = jnp.take_along_axis(target_hidden, at[..., None], axis=1).reshape(n, c, b - 1, -1)
+    return head_logits(shared, hidden)
+
+
+def _chunk_logits_sums(module: DraftModel, context_kv, target_hidden, block_tokens, block_positions, anchor_valid,
+                       labels, label_mask, shared, spec):
+    """Inside ``apply``: one chunk of anchors from block tokens to its ``LossSums`` (mask positions only).
+    With ``target_hidden`` the chunk's target logits are formed here too, so the ``[.., B-1, V]`` arrays of
+    both models exist for one chunk at a time (and are recomputed in the backward pass, not stored)."""
     x = constrain_batch(_block_hidden(module, context_kv, block_tokens, block_positions, anchor_valid, shared))
-    return block_loss_sums(constrain_batch(module.logits(x[:, :, 1:], shared)), labels, label_mask, gamma)
+    target_logits = None
+    if target_hidden is not None:
+        target_logits = constrain_batch(_target_logits_at(shared, target_hidden, block_positions))
+    return block_loss_sums(constrain_batch(module.logits(x[:, :, 1:], shared)), labels, label_mask, spec,
+                           target_logits)
 
 
 def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, block_tokens: jax.Array,
                     block_positions: jax.Array, anchor_valid: jax.Array, labels: jax.Array, label_mask: jax.Array,
-                    shared: SharedHead, gamma: float, anchor_chunk: int) -> LossSums:
+                    shared: SharedHead, spec: LossSpec, anchor_chunk: int,
+                    target_hidden: jax.Array | None = None) -> LossSums:
     """``LossSums`` of all packed blocks ``[N, A, B]`` of ``target_features [N, L, n*H]``, ``anchor_chunk``
     anchors at a time under rematerialisation. Equal (to float rounding) to ``dflash_loss`` of
-    ``draft_training_logits``, whatever the chunk size."""
+    ``draft_training_logits``, whatever the chunk size. ``target_hidden [N, L, H]`` (the target's final normed
+    hidden states) adds the KL sums against the target's distribution at ``spec.temperature``."""
     n, a, b = block_tokens.shape
     chunk = max(1, min(anchor_chunk, a))
     pad = -a % chunk
@@ -84,6 +120,8 @@ def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, 
         anchor_valid = jnp.pad(anchor_valid, ((0, 0), (0, pad)))
     shared = frozen(shared)
     context_kv = jax.tree.map(constrain_batch, model.apply({"params": params}, target_features, method=_context_kv))
+    if target_hidden is not None:
+        target_hidden = constrain_batch(jax.lax.stop_gradient(target_hidden))
 
     def chunks(x):  # [N, A, ...] -> [num_chunks, N, chunk, ...]
         return jnp.moveaxis(x.reshape((n, -1, chunk) + x.shape[2:]), 1, 0)
@@ -91,7 +129,8 @@ def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, 
     @jax.checkpoint
     def body(total, xs):
         xs = tuple(constrain_batch(x) for x in xs)
-        sums = model.apply({"params": params}, context_kv, *xs, shared, gamma, method=_chunk_logits_sums)
+        sums = model.apply({"params": params}, context_kv, target_hidden, *xs, shared, spec,
+                           method=_chunk_logits_sums)
         return total + sums, None
 
     xs = tuple(chunks(x) for x in (block_tokens, block_positions, anchor_valid, labels, label_mask))
@@ -99,15 +138,26 @@ def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, 
     return total
 
 
-def target_features(target: TargetModel, target_params: Any, batch: Batch, feature_layers: tuple[int, ...]):
+def target_features(target: TargetModel, target_params: Any, batch: Batch, feature_layers: tuple[int, ...],
+                    final_hidden: bool = False):
     """The frozen target over the clean sequences: the concatenated features of ``feature_layers``, no logits
-    (XLA also drops the layers past the last feature layer), no gradient."""
+    (XLA also drops the layers past the last feature layer), no gradient. ``final_hidden``: also return the
+    final normed hidden states ``[N, L, H]`` (the last layer's feature, from which the head gives the target's
+    logits), as ``(features, final)``."""
     tokens, lengths = batch["tokens"], batch["lengths"]
     n, length = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32)[None], (n, length))
+    last = target.config.num_hidden_layers - 1
+    layers = tuple(feature_layers) + ((last,) if final_hidden and last not in feature_layers else ())
     out = target.apply({"params": target_params}, tokens, positions, valid=positions < lengths[:, None],
-                       feature_layers=feature_layers, skip_logits=True)
-    return jax.lax.stop_gradient(out.features)
+                       feature_layers=layers, skip_logits=True)
+    features = jax.lax.stop_gradient(out.features)
+    if not final_hidden:
+        return features
+    hidden = features.shape[-1] // len(layers)
+    at = layers.index(last)
+    final = features[..., at * hidden:(at + 1) * hidden]
+    return features[..., :len(feature_layers) * hidden], final
 
 
 def batch_loss_sums(draft_params: Any, target_params: Any, batch: Batch, key: jax.Array, row_index: jax.Array,
@@ -116,7 +166,12 @@ def batch_loss_sums(draft_params: Any, target_params: Any, batch: Batch, key: ja
     ``fold_in(key, row_index)``, then the chunked draft loss sums."""
     batch = {k: constrain_batch(v) for k, v in batch.items()}  # sequences stay split over data x fsdp
     tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"].astype(bool), batch["lengths"]
-    features = constrain_batch(target_features(target, target_params, batch, cfg.feature_layers))
+    final = None
+    if cfg.kl_share > 0:
+        features, final = target_features(target, target_params, batch, cfg.feature_layers, final_hidden=True)
+    else:
+        features = target_features(target, target_params, batch, cfg.feature_layers)
+    features = constrain_batch(features)
     if cfg.anchors == "uniform":
         anchors, valid = uniform_anchors(loss_mask, lengths, cfg.num_anchors, cfg.block_size)
     else:
@@ -126,7 +181,7 @@ def batch_loss_sums(draft_params: Any, target_params: Any, batch: Batch, key: ja
         tokens, loss_mask, lengths, anchors, valid, cfg.block_size, mask_token_id=cfg.mask_token_id)
     shared = shared_head(target_params, cfg.tied_head)
     return draft_loss_sums(draft, draft_params, features, block_tokens, block_positions, valid, labels, label_mask,
-                           shared, cfg.gamma, cfg.anchor_chunk)
+                           shared, cfg.loss_spec, cfg.anchor_chunk, final)
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
@@ -137,7 +192,7 @@ def accumulated_gradients(params: Any, target_params: Any, batch: Batch, key: ja
                           draft: DraftModel, cfg: StepConfig) -> tuple[Any, LossSums]:
     """Gradients of the globally normalised loss over the whole batch, in ``cfg.accum_steps`` micro-steps.
 
-    Each micro-step differentiates the UNnormalised ``sum(w * ce)``; gradients and sums are added up and
+    Each micro-step differentiates the UNnormalised ``sum(w * loss)``; gradients and sums are added up and
     divided once by the total ``sum(w)``. Micro-step ``m`` takes rows ``r`` with ``r % accum_steps == m``, so
     each device keeps working on the rows it already holds under a batch-sharded layout.
     """
@@ -153,11 +208,11 @@ def accumulated_gradients(params: Any, target_params: Any, batch: Batch, key: ja
     micro = {k: micro_batches(v) for k, v in batch.items()}
     rows = micro_batches(jnp.arange(g, dtype=jnp.int32))
 
-    def weighted_ce(p, mb, idx):
+    def objective(p, mb, idx):
         sums = batch_loss_sums(_cast(p, compute_dtype), target_params, mb, key, idx, target, draft, cfg)
-        return sums.weighted_ce, sums
+        return sums.objective(cfg.kl_share), sums
 
-    grad_fn = jax.grad(weighted_ce, has_aux=True)
+    grad_fn = jax.grad(objective, has_aux=True)
 
     def body(carry, xs):
         grads, sums = carry
@@ -195,7 +250,7 @@ def make_train_step(target: TargetModel, draft: DraftModel, cfg: StepConfig, opt
         grads, sums = accumulated_gradients(state.params, target_params, batch, key, target, draft, cfg)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        loss, metrics = loss_and_metrics(sums)
+        loss, metrics = loss_and_metrics(sums, cfg.kl_share)
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["tokens"] = jnp.sum(batch["lengths"]).astype(jnp.float32)
         if schedule is not None:

@@ -45,6 +45,19 @@ NEW_DRAFT_KEYS = ("num_layers", "block_size", "target_layer_ids", "mask_token_id
 UNIFORM_GAMMA = 1e9  # exp(-(k-1)/gamma) == 1 to float precision: the uniform-weight ablation
 
 
+
+def _unused_loss_field(step_cfg: StepConfig, name: str) -> bool:
+    """Loss fields that cannot change the model under this config (left out of the fingerprint, so runs
+    started before the options existed resume unchanged)."""
+    defaults = {"loss": "ce", "position_weights": "decay"}
+    if name in defaults:
+        return getattr(step_cfg, name) == defaults[name]
+    if name in ("kl_weight", "temperature"):
+        return step_cfg.kl_share == 0.0 or (name == "kl_weight" and step_cfg.loss != "ce+kl")
+    if name == "dpace_alpha":
+        return step_cfg.position_weights != "dpace"
+    return False
+
 def compute_dtype(name: str) -> Any:
     if name == "auto":
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -210,7 +223,9 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
     step_cfg = StepConfig(block_size=block, gamma=gamma, mask_token_id=draft_config.mask_token_id,
                           feature_layers=draft_config.target_layer_ids, num_anchors=t["num_anchors"],
                           anchor_chunk=t["anchor_chunk"], accum_steps=t["accum_steps"],
-                          tied_head=target_config.tie_word_embeddings, anchors=t["anchors"])
+                          tied_head=target_config.tie_word_embeddings, anchors=t["anchors"], loss=t["loss"],
+                          kl_weight=float(t["kl_weight"]), temperature=float(t["kl_temperature"]),
+                          position_weights=t["position_weights"], dpace_alpha=float(t["dpace_alpha"]))
     global_batch = t["global_batch"]
     num_rows = len(tokenized)
     epoch_steps = steps_per_run(num_rows, global_batch, t["epochs"])
@@ -225,7 +240,7 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
     fingerprint = {
         "draft": draft_config.to_official_dict(),
         "step": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(step_cfg).items()
-                 if k not in ("anchor_chunk", "accum_steps")},
+                 if k not in ("anchor_chunk", "accum_steps") and not _unused_loss_field(step_cfg, k)},
         "data": {"fingerprint": tokenized.fingerprint(), "global_batch": global_batch, "epochs": t["epochs"],
                  "seed": t["seed"]},
         "optimizer": {k: t[k] for k in ("learning_rate", "warmup_ratio", "min_lr_ratio", "weight_decay",
