@@ -209,8 +209,10 @@ def draft_forward_reference(
     block_tokens: np.ndarray,
     start: int,
     context_positions: np.ndarray | None = None,
+    return_hidden: bool = False,
 ) -> np.ndarray:
-    """One DFlash draft forward for ONE sequence; returns float64 logits ``[B, V]`` for all block positions.
+    """One DFlash draft forward for ONE sequence; returns float64 logits ``[B, V]`` for all block positions
+    (and, with ``return_hidden``, the final-normed hidden states ``[B, H]`` the DFlash2 selector reads).
 
     Args:
       weights: official draft checkpoint dict (SPEC section 7), linear weights ``[out, in]``.
@@ -243,6 +245,7 @@ def draft_forward_reference(
     softcap = _cfg_get(config, "final_logit_softcapping", None)
     num_layers = _num_layers(config, weights)
     inv_freq = _rope_inv_freq(config)
+    dflash2 = _is_dflash2(config)
 
     ctx_raw = np.asarray(context_features, dtype=np.float64)
     if ctx_raw.ndim != 2:
@@ -283,6 +286,8 @@ def draft_forward_reference(
             _layer_type(config, li) == "sliding_attention")
 
         h = _rms_norm(x, weights[p + "input_layernorm.weight"], eps)
+        if dflash2:  # SPEC section 10: the attention reads the convolved normed input
+            h, attn_dynamic = _block_conv_first(h, weights, p + "attention_conv.", config)
 
         q = _linear(h, weights, p + "self_attn.q_proj").reshape(B, num_heads, d)
         q = _rms_norm(q, weights[p + "self_attn.q_norm.weight"], eps)
@@ -326,19 +331,80 @@ def draft_forward_reference(
                     acc += w_j * v_j
                 attn[i, hq] = acc
 
-        x = x + _linear(attn.reshape(B, num_heads * d), weights, p + "self_attn.o_proj")
+        attn_out = _linear(attn.reshape(B, num_heads * d), weights, p + "self_attn.o_proj")
+        if dflash2:
+            attn_out = _block_conv(attn_out, attn_dynamic, weights[p + "attention_conv.base_kernel"][1], config)
+        x = x + attn_out
 
         h2 = _rms_norm(x, weights[p + "post_attention_layernorm.weight"], eps)
+        if dflash2:
+            h2, mlp_dynamic = _block_conv_first(h2, weights, p + "mlp_conv.", config)
         gate = _linear(h2, weights, p + "mlp.gate_proj")
         up = _linear(h2, weights, p + "mlp.up_proj")
-        x = x + _linear(_silu(gate) * up, weights, p + "mlp.down_proj")
+        mlp_out = _linear(_silu(gate) * up, weights, p + "mlp.down_proj")
+        if dflash2:
+            mlp_out = _block_conv(mlp_out, mlp_dynamic, weights[p + "mlp_conv.base_kernel"][1], config)
+        x = x + mlp_out
 
     x = _rms_norm(x, weights["norm.weight"], eps)
     logits = x @ np.asarray(head, dtype=np.float64).T * out_mult
     if softcap:
         cap = float(softcap)
         logits = cap * np.tanh(logits / cap)
-    return logits
+    return (logits, x) if return_hidden else logits
+
+
+def _is_dflash2(config: dict) -> bool:
+    return "DFlash2DraftModel" in (config.get("architectures") or [])
+
+
+def _block_conv(x: np.ndarray, dynamic: np.ndarray, base: np.ndarray, config: dict) -> np.ndarray:
+    """SPEC section 10, element by element: ``y[t, j] = sum_{o < K, t - o >= 0} (base[o, j] + dynamic[t, o, j //
+    group_size]) * x[t - o, j]`` over the block's positions ``t``; ``dynamic [T, K, G]``, ``base [K, H]``."""
+    gs = int(_cfg_get(config, "conv_group_size"))
+    t_len, hidden = x.shape
+    y = np.zeros_like(x, dtype=np.float64)
+    for t in range(t_len):
+        for o in range(base.shape[0]):
+            if t - o < 0:
+                continue
+            for j in range(hidden):
+                y[t, j] += (float(base[o, j]) + float(dynamic[t, o, j // gs])) * x[t - o, j]
+    return y
+
+
+def _block_conv_first(h: np.ndarray, weights: dict, prefix: str, config: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The dynamic kernels of both halves from ``h`` (``kernel_projection``, viewed ``[T, 2, K, G]``); returns
+    ``h`` convolved by the first half and the second half's kernels."""
+    k = int(_cfg_get(config, "conv_kernel_size"))
+    groups = h.shape[1] // int(_cfg_get(config, "conv_group_size"))
+    dynamic = _linear(h, weights, prefix + "kernel_projection").reshape(h.shape[0], 2, k, groups)
+    return _block_conv(h, dynamic[:, 0], weights[prefix + "base_kernel"][0], config), dynamic[:, 1]
+
+
+def selector_scores_reference(weights: dict, config: dict, logits: np.ndarray, hidden: np.ndarray,
+                              predecessor: int) -> tuple[np.ndarray, np.ndarray]:
+    """The DFlash2 selector at ONE mask position: its ``top_k`` candidates (best first) and their scores
+    ``logit + sum_r pred_code[predecessor, r] * (hidden_projection @ hidden)[r] * succ_code[candidate, r]``."""
+    k = int(_cfg_get(config, "selector_top_k"))
+    candidates = np.argsort(-np.asarray(logits, np.float64), kind="stable")[:k]
+    projected = np.asarray(weights["candidate_selector.hidden_projection.weight"], np.float64) @ hidden
+    pred = np.asarray(weights["candidate_selector.predecessor_codebook"], np.float64)[predecessor]
+    succ = np.asarray(weights["candidate_selector.successor_codebook"], np.float64)
+    scores = np.array([logits[c] + float(np.sum(pred * projected * succ[c])) for c in candidates])
+    return candidates, scores
+
+
+def selector_chain_reference(weights: dict, config: dict, logits: np.ndarray, hidden: np.ndarray,
+                             anchor: int) -> list[int]:
+    """Greedy DFlash2 block: from the anchor, each mask position takes its best-scoring candidate, which
+    becomes the next position's predecessor. ``logits [K, V]``, ``hidden [K, H]`` of the mask positions."""
+    chain, predecessor = [], int(anchor)
+    for i in range(logits.shape[0]):
+        candidates, scores = selector_scores_reference(weights, config, logits[i], hidden[i], predecessor)
+        predecessor = int(candidates[int(np.argmax(scores))])
+        chain.append(predecessor)
+    return chain
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -403,6 +469,19 @@ def random_official_draft_weights(
         w[p + "mlp.down_proj.weight"] = lin(H, inter)
         w[p + "input_layernorm.weight"] = norm(H)
         w[p + "post_attention_layernorm.weight"] = norm(H)
+        if _is_dflash2(config):  # near-identity convolutions with visible dynamic parts
+            k = int(_cfg_get(config, "conv_kernel_size"))
+            groups = H // int(_cfg_get(config, "conv_group_size"))
+            for conv in ("attention_conv", "mlp_conv"):
+                base = 0.3 * rng.standard_normal((2, k, H))
+                base[:, 0] += 1.0
+                w[p + f"{conv}.base_kernel"] = base.astype(dtype)
+                w[p + f"{conv}.kernel_projection.weight"] = (0.3 * lin(2 * k * groups, H)).astype(dtype)
+    if _is_dflash2(config):
+        r, vocab = int(_cfg_get(config, "selector_rank")), int(config["vocab_size"])
+        w["candidate_selector.predecessor_codebook"] = rng.standard_normal((vocab, r)).astype(dtype)
+        w["candidate_selector.successor_codebook"] = rng.standard_normal((vocab, r)).astype(dtype)
+        w["candidate_selector.hidden_projection.weight"] = lin(r, H)
     return w
 
 

@@ -39,7 +39,9 @@ from dflash_jax.models.draft_config import DraftConfig
 
 @dataclasses.dataclass(frozen=True)
 class DFlashProposer:
-    """The DFlash draft: one forward per round over ``[anchor, mask x K]``."""
+    """The DFlash draft: one forward per round over ``[anchor, mask x K]``. A DFlash2 draft then walks its
+    candidate selector over the block: its tokens, and when sampling the selector's distributions (the
+    probabilities lossless verification needs; no top-k/top-p on them, as the official code)."""
 
     config: DraftConfig
     block_size: int
@@ -83,6 +85,11 @@ class DFlashProposer:
         )
         state = {"cache": out.cache}
         logits = out.logits
+        if self.config.dflash2:  # the selector's chain over the draft's top-k (SPEC section 10)
+            temperature = 0.0 if sampling.greedy else sampling.temperature
+            tokens, probs = self.model.apply({"params": consts["params"]}, logits, out.hidden, anchor, temperature,
+                                             None if sampling.greedy else key, method=DraftModel.select)
+            return tokens, probs, state
         if sampling.greedy:
             return argmax(logits), None, state
         probs = probabilities(logits, sampling)

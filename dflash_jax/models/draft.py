@@ -9,7 +9,7 @@ at call time: the draft's params hold exactly what the official checkpoint holds
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from dflash_jax.models.attention_kernels import Segment
 from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
+from dflash_jax.models.dflash2 import BlockConv, CandidateSelector, select_chain
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.layers import (
     MLP, RMSNorm, apply_rope, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
@@ -41,6 +42,7 @@ def head_logits(shared: SharedHead, x: jax.Array) -> jax.Array:
 class DraftOutput(NamedTuple):
     logits: jax.Array  # [B, block, V] (position 0, the anchor, is meaningless) or [B, block-1, V] without it
     cache: KVCache | None
+    hidden: jax.Array | None = None  # DFlash2: the final-normed hidden states of the same positions
 
 
 def layer_visibility(query_positions: jax.Array, key_positions: jax.Array, window: int | None,
@@ -147,6 +149,28 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg, self.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
         self.mlp = MLP(cfg.intermediate_size, False, self.dtype, self.dtype)
+        if cfg.dflash2:  # SPEC section 10: a block convolution around the attention and one around the MLP
+            conv = lambda: BlockConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, self.dtype)  # noqa
+            self.attention_conv, self.mlp_conv = conv(), conv()
+        else:
+            self.attention_conv = self.mlp_conv = None
+
+    def block_step(self, x: jax.Array, attend: Callable[["DraftAttention", jax.Array], jax.Array],
+                   block: int) -> jax.Array:
+        """The layer over block tokens ``x [..., T, H]`` (consecutive blocks of ``block`` tokens), with
+        ``attend(self_attn, h)`` giving the attention's output (after ``o_proj``): the inference forward and
+        the packed training forward differ only there."""
+        h = self.input_layernorm(x)
+        if self.attention_conv is not None:
+            h, second = self.attention_conv.prepare(h, block)
+            x = x + self.attention_conv.finish(attend(self.self_attn, h), second, block)
+        else:
+            x = x + attend(self.self_attn, h)
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is not None:
+            h, second = self.mlp_conv.prepare(h, block)
+            return x + self.mlp_conv.finish(self.mlp(h), second, block)
+        return x + self.mlp(h)
 
     def context_kv(self, ctx: jax.Array, positions: jax.Array):
         """DFlash: the fused features are memory only (no input norm, no query, no MLP). The input-injection
@@ -170,10 +194,11 @@ class DraftLayer(nn.Module):
 
     def __call__(self, x, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths=None,
                  blk_lengths=None):
-        h = self.input_layernorm(x)
-        x = x + self.self_attn(h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths,
-                               blk_lengths, self.causal)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        def attend(attn, h):
+            return attn(h, block_positions, ctx_keys, ctx_values, ctx_visible, live, blk_mask, ctx_lengths,
+                        blk_lengths, self.causal)
+
+        return self.block_step(x, attend, x.shape[-2])
 
 
 class DraftModel(nn.Module):
@@ -194,6 +219,8 @@ class DraftModel(nn.Module):
         self.layers = [DraftLayer(cfg, cfg.layer_window(i), causal, self.dtype)
                        for i, causal in enumerate(cfg.layer_causal)]
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
+        self.candidate_selector = (CandidateSelector(cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k,
+                                                     self.dtype) if cfg.dflash2 else None)
 
     def fuse(self, features: jax.Array) -> jax.Array:
         """Raw concatenated target features ``[..., n*H]`` -> the fused context feature ``[..., H]``."""
@@ -205,8 +232,12 @@ class DraftModel(nn.Module):
         return x * scale if scale != 1.0 else x
 
     def logits(self, x: jax.Array, shared: SharedHead) -> jax.Array:
+        """Final norm, the target's head, the output multiplier and softcap: last hidden -> logits."""
+        return self.normed_logits(self.norm(x), shared)
+
+    def normed_logits(self, x: jax.Array, shared: SharedHead) -> jax.Array:
         cfg = self.config
-        logits = head_logits(shared, self.norm(x))
+        logits = head_logits(shared, x)
         if cfg.output_multiplier != 1.0:
             logits = logits * cfg.output_multiplier
         if cfg.final_logit_softcapping is not None:
@@ -258,7 +289,19 @@ class DraftModel(nn.Module):
                       block_mask(block_positions, layer.window, layer.causal, block_len), ctx_lengths, blk_lengths)
         if skip_anchor_logits:  # the anchor's prediction is never used at inference: save 1/B of the head
             x = x[:, 1:]
-        return DraftOutput(self.logits(x, shared), cache)
+        normed = self.norm(x)
+        hidden = None
+        if self.candidate_selector is not None:  # DFlash2: the selector reads the final-normed states
+            hidden = normed
+            if self.is_initializing():
+                self.candidate_selector.project(normed)
+        return DraftOutput(self.normed_logits(normed, shared), cache, hidden)
+
+    def select(self, logits: jax.Array, hidden: jax.Array, anchor: jax.Array, temperature: float = 0.0,
+               key: jax.Array | None = None):
+        """DFlash2: the block's chain of candidates (``dflash2.select_chain``) from a forward's mask-position
+        ``logits`` and ``hidden``."""
+        return select_chain(self.candidate_selector, logits, hidden, anchor, temperature, key)
 
     def context_bound(self, i: int) -> int | None:
         """How far back layer ``i``'s block queries see the context (``q_pos - k_pos < bound``): its sliding

@@ -25,6 +25,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 CONTEXT_INJECTIONS = ("every_layer", "input")
 QWEN3_MAX_WINDOW_LAYERS = 28  # transformers' Qwen3Config default
 MAX_BLOCK_SIZE = 1024
+DFLASH2 = "DFlash2DraftModel"
+DRAFT_ARCHITECTURES = ("DFlashDraftModel", DFLASH2)
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # all required
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -63,6 +66,16 @@ class DraftConfig:
     # The official ``is_causal`` (newest code): True/False makes every layer causal/bidirectional inside the
     # block; None (absent) makes sliding layers causal and full layers bidirectional.
     is_causal: bool | None = None
+    # DFlash2 (``architectures: ["DFlash2DraftModel"]``, SPEC section 10): block convolutions in every layer and
+    # a candidate selector. All None for a DFlash draft.
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+
+    @property
+    def dflash2(self) -> bool:
+        return self.conv_kernel_size is not None
 
     @property
     def num_features(self) -> int:
@@ -105,7 +118,10 @@ class DraftConfig:
             return cfg.get(key, default)
 
         merged = {**cfg, **{k: v for k, v in nested.items() if v is not None}}
-        if not nested and "block_size" not in cfg and "DFlashDraftModel" not in (cfg.get("architectures") or []):
+        architectures = cfg.get("architectures") or []
+        if not isinstance(architectures, list):
+            raise ConfigError(f"{source}: 'architectures' must be a list, got {architectures!r}")
+        if not nested and "block_size" not in cfg and not set(DRAFT_ARCHITECTURES) & set(architectures):
             raise ConfigError(
                 f"{source}: not a DFlash draft config (no 'dflash_config', 'block_size' or architectures "
                 f"['DFlashDraftModel']; model_type {cfg.get('model_type')!r}). Is this a target checkpoint?"
@@ -158,6 +174,17 @@ class DraftConfig:
         if injection not in CONTEXT_INJECTIONS:
             raise ConfigError(f"{source}: context_injection must be one of {', '.join(CONTEXT_INJECTIONS)}, "
                               f"got {injection!r}")
+        dflash2 = {}
+        if DFLASH2 in architectures:
+            dflash2 = {key: int_field(merged, key, source) for key in DFLASH2_FIELDS}
+            if hidden % dflash2["conv_group_size"]:
+                raise ConfigError(f"{source}: conv_group_size {dflash2['conv_group_size']} does not divide "
+                                  f"hidden_size {hidden}")
+            if dflash2["selector_top_k"] > vocab:
+                raise ConfigError(f"{source}: selector_top_k {dflash2['selector_top_k']} exceeds vocab_size {vocab}")
+            if injection != "every_layer":
+                raise ConfigError(f"{source}: a DFlash2 draft injects the context in every layer "
+                                  f"(context_injection {injection!r} is not defined for it)")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
@@ -186,6 +213,7 @@ class DraftConfig:
             model_type=str(cfg.get("model_type", "qwen3")),
             context_injection=injection,
             is_causal=bool_field(cfg, "is_causal", source, None),
+            **dflash2,
         )
 
     @classmethod
@@ -194,9 +222,10 @@ class DraftConfig:
         return cls.from_dict(cfg, source=str(path))
 
     def to_official_dict(self) -> dict[str, Any]:
-        """The official ``config.json`` layout (``architectures: [DFlashDraftModel]``, nested ``dflash_config``)."""
+        """The official ``config.json`` layout (``architectures: [DFlashDraftModel]`` or ``[DFlash2DraftModel]``,
+        nested ``dflash_config``)."""
         out: dict[str, Any] = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [DFLASH2 if self.dflash2 else "DFlashDraftModel"],
             "model_type": self.model_type,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -230,6 +259,8 @@ class DraftConfig:
             out["dflash_config"]["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping is not None:
             out["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.dflash2:
+            out["dflash_config"].update({key: getattr(self, key) for key in DFLASH2_FIELDS})
         if self.context_injection != "every_layer":  # this project's ablation variant; official code ignores it
             out["dflash_config"]["context_injection"] = self.context_injection
         return out

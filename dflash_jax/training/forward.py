@@ -99,20 +99,20 @@ def _block_hidden(module: DraftModel, context_kv, block_tokens, block_positions,
     flat_pos = block_positions.reshape(n, a * b)
     x = module.embed_block(block_tokens.reshape(n, a * b), shared)  # [N, A*B, H]
     for layer, (k_ctx, v_ctx) in zip(module.layers, context_kv):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        # DraftAttention's own projections, with the packed attention in place of `attention`.
-        q = attn.queries(h, flat_pos)
-        k_blk, v_blk = attn.keys_values(h, flat_pos)
-        shape5 = (n, a, b, cfg.num_key_value_heads, cfg.head_dim)
-        out = packed_block_attention(
-            q.reshape(n, a, b, cfg.num_attention_heads, cfg.head_dim), k_ctx, v_ctx,
-            k_blk.reshape(shape5), v_blk.reshape(shape5),
-            packed_context_mask(block_positions, length, layer.window, anchor_valid),
-            packed_block_mask(block_positions, layer.window, layer.causal),
-        )
-        x = x + attn.o_proj(out.reshape(n, a * b, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        def attend(attn, h, layer=layer, k_ctx=k_ctx, v_ctx=v_ctx):
+            # DraftAttention's own projections, with the packed attention in place of `attention`.
+            q = attn.queries(h, flat_pos)
+            k_blk, v_blk = attn.keys_values(h, flat_pos)
+            shape5 = (n, a, b, cfg.num_key_value_heads, cfg.head_dim)
+            out = packed_block_attention(
+                q.reshape(n, a, b, cfg.num_attention_heads, cfg.head_dim), k_ctx, v_ctx,
+                k_blk.reshape(shape5), v_blk.reshape(shape5),
+                packed_context_mask(block_positions, length, layer.window, anchor_valid),
+                packed_block_mask(block_positions, layer.window, layer.causal),
+            )
+            return attn.o_proj(out.reshape(n, a * b, -1))
+
+        x = layer.block_step(x, attend, b)  # the layer's own order (and DFlash2's convolutions, block by block)
     return x.reshape(n, a, b, -1)
 
 

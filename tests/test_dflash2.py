@@ -1,0 +1,208 @@
+"""DFlash2 drafts (SPEC section 10): block convolutions in every layer and the candidate selector.
+
+Checked against the independent NumPy construction of tests/reference_draft_numpy.py (the convolution
+written element by element, the selector chain position by position), with a random official checkpoint
+written to disk and loaded through ``load_draft``: logits and final hidden states at 1e-5 * max(1, |ref|)
+(fp32), greedy chains equal, sampling distributions at 1e-5. Then the official layout round trip, bad
+configs, and the engine: greedy DFlash2 decoding equals plain decoding, and its sampling is lossless (a
+chi-square test against the exact distribution, as tests/test_engine_sampling.py).
+"""
+
+import copy
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from dflash_jax.checkpoints.official_draft import init_draft_params, load_draft, save_draft
+from dflash_jax.engine.generate import DecodeSettings, generate
+from dflash_jax.engine.proposers import DFlashProposer, NoProposer
+from dflash_jax.engine.sampling import SamplingConfig
+from dflash_jax.models.config import ConfigError
+from dflash_jax.models.draft import DraftModel, SharedHead, init_draft_cache, shared_head
+from dflash_jax.models.draft_config import DraftConfig
+from draft_tiny import HIDDEN, official_config, write_official_draft
+from engine_tiny import tiny_target
+from reference_draft_numpy import (
+    draft_forward_reference, selector_chain_reference, selector_scores_reference,
+)
+
+DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 5}
+VOCAB, BLOCK = 97, 8
+
+
+def dflash2_config(**overrides) -> dict:
+    cfg = official_config(architectures=["DFlash2DraftModel"], layer_types=["sliding_attention", "full_attention"],
+                          sliding_window=6, **overrides)
+    cfg["dflash_config"] = {**cfg["dflash_config"], **DFLASH2}
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dflash2")
+    weights = write_official_draft(path, dflash2_config(), seed=3)
+    config, params = load_draft(path)
+    rng = np.random.default_rng(0)
+    embed = rng.standard_normal((VOCAB, HIDDEN)).astype(np.float32)
+    head = (rng.standard_normal((VOCAB, HIDDEN)) * 0.5).astype(np.float32)
+    return path, weights, config, params, embed, head
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def forward(config, params, shared, feats, tokens, start):
+    b, t = feats.shape[:2]
+    model = DraftModel(config)
+    ctx_pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    pos = start + jnp.broadcast_to(jnp.arange(tokens.shape[1])[None], tokens.shape)
+    out = model.apply({"params": params}, tokens, pos, feats, ctx_pos, jnp.ones((b, t), bool),
+                      init_draft_cache(config, b, t + tokens.shape[1]), shared, skip_anchor_logits=True)
+    return out.logits, out.hidden
+
+
+def test_config_reads_and_writes_the_dflash2_fields(bundle):
+    path, _, config, params, _, _ = bundle
+    assert config.dflash2 and (config.conv_kernel_size, config.conv_group_size, config.selector_rank,
+                               config.selector_top_k) == (2, 16, 8, 5)
+    official = config.to_official_dict()
+    assert official["architectures"] == ["DFlash2DraftModel"]
+    assert {k: official["dflash_config"][k] for k in DFLASH2} == DFLASH2
+    assert params["layers_0"]["attention_conv"]["base_kernel"].shape == (2, 2, HIDDEN)
+    assert params["layers_1"]["mlp_conv"]["kernel_projection"]["kernel"].shape == (HIDDEN, 2 * 2 * HIDDEN // 16)
+    assert params["candidate_selector"]["predecessor_codebook"].shape == (VOCAB, 8)
+    plain = DraftConfig.from_dict(official_config())
+    assert not plain.dflash2 and plain.to_official_dict()["architectures"] == ["DFlashDraftModel"]
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda c: c["dflash_config"].pop("selector_top_k"), "selector_top_k"),
+    (lambda c: c["dflash_config"].update(conv_group_size=24), "conv_group_size 24 does not divide hidden_size 64"),
+    (lambda c: c["dflash_config"].update(selector_top_k=VOCAB + 1), "selector_top_k 98 exceeds vocab_size"),
+    (lambda c: c["dflash_config"].update(conv_kernel_size=0), "conv_kernel_size"),
+])
+def test_bad_dflash2_configs_name_the_field(change, match):
+    cfg = copy.deepcopy(dflash2_config())
+    change(cfg)
+    with pytest.raises(ConfigError, match=match):
+        DraftConfig.from_dict(cfg, source="draft/config.json")
+
+
+def test_missing_selector_tensor_is_named(tmp_path):
+    weights = write_official_draft(tmp_path, dflash2_config(), seed=1)
+    from safetensors.numpy import save_file
+
+    del weights["candidate_selector.successor_codebook"]
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(Exception, match="candidate_selector.successor_codebook"):
+        load_draft(tmp_path)
+
+
+def test_export_round_trip_is_exact(bundle, tmp_path):
+    path, weights, config, params, _, _ = bundle
+    save_draft(config, params, tmp_path / "out")
+    again = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(again) == sorted(weights)  # codebooks without ".weight", as the official layout stores them
+    for k, v in weights.items():
+        np.testing.assert_array_equal(again[k], v, err_msg=k)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+
+
+def test_forward_and_selector_equal_the_numpy_construction(bundle):
+    _, weights, config, params, embed, head = bundle
+    cfg = dflash2_config()
+    rng = np.random.default_rng(1)
+    t = 9
+    feats = rng.standard_normal((2, t, 2 * HIDDEN)).astype(np.float32)
+    anchors = np.array([5, 41], np.int32)
+    tokens = np.concatenate([anchors[:, None], np.full((2, BLOCK - 1), VOCAB - 1, np.int32)], axis=1)
+    shared = SharedHead(jnp.asarray(embed), jnp.asarray(head.T))
+    logits, hidden = forward(config, params, shared, jnp.asarray(feats), jnp.asarray(tokens), t)
+    greedy, _ = jax.jit(lambda lg, hd, a: DraftModel(config).apply({"params": params}, lg, hd, a,
+                                                                    method=DraftModel.select))(logits, hidden, anchors)
+    temperature = 0.7
+    sampled, probs = jax.jit(lambda lg, hd, a, k: DraftModel(config).apply(
+        {"params": params}, lg, hd, a, temperature, k, method=DraftModel.select))(
+        logits, hidden, anchors, jax.random.PRNGKey(4))
+    for b in range(2):
+        ref_logits, ref_hidden = draft_forward_reference(weights, cfg, embed, head, feats[b], tokens[b], t,
+                                                         return_hidden=True)
+        scale = max(1.0, float(np.abs(ref_logits).max()))
+        np.testing.assert_allclose(logits[b], ref_logits[1:], atol=1e-5 * scale)
+        np.testing.assert_allclose(hidden[b], ref_hidden[1:], atol=1e-5 * max(1.0, float(np.abs(ref_hidden).max())))
+        assert list(np.asarray(greedy[b])) == selector_chain_reference(weights, cfg, ref_logits[1:], ref_hidden[1:],
+                                                                       anchors[b])
+        # Sampling: each position's distribution is softmax(score / T) over its candidates, given the token the
+        # chain actually drew before it; the drawn token is one of them.
+        predecessor = int(anchors[b])
+        for i in range(BLOCK - 1):
+            cands, scores = selector_scores_reference(weights, cfg, ref_logits[1 + i], ref_hidden[1 + i], predecessor)
+            q = np.exp((scores - scores.max()) / temperature)
+            expected = np.zeros(VOCAB)
+            expected[cands] = q / q.sum()
+            np.testing.assert_allclose(probs[b, i], expected, atol=1e-5)
+            predecessor = int(sampled[b, i])
+            assert predecessor in cands
+    # The selector really reorders: without its pairwise term the chain would be the plain argmax.
+    assert np.any(np.asarray(greedy) != np.asarray(jnp.argmax(logits, -1)))
+
+
+# ----------------------------------------------------------------------------------------------- engine
+def engine_draft(vocab: int, seed: int):
+    """A DFlash2 draft for the tiny target whose convolutions and selector matter (a new draft starts with
+    identity convolutions and a faint selector)."""
+    cfg = dflash2_config(vocab_size=vocab)
+    cfg["dflash_config"]["mask_token_id"] = vocab - 1
+    config = DraftConfig.from_dict(cfg)
+    rng = np.random.default_rng(seed)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.3 * rng.standard_normal(x.shape).astype(x.dtype)
+        if any(getattr(k, "key", "") in ("base_kernel", "predecessor_codebook", "successor_codebook") for k in path)
+        else x, init_draft_params(config, seed=seed))
+    return config, params
+
+
+def test_greedy_dflash2_equals_plain_decoding():
+    tc, tp = tiny_target(seed=2)
+    config, params = engine_draft(tc.vocab_size, seed=5)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, tc.vocab_size - 1, n).tolist() for n in (5, 11)]
+    settings = DecodeSettings(max_new_tokens=24, record_drafts=True)
+    prop = DFlashProposer(config, BLOCK)
+    out = generate(tc, tp, prompts, prop, prop.init(params, shared_head(tp, False), 2, 16 + 24 + BLOCK), settings)
+    base = generate(tc, tp, prompts, NoProposer(), NoProposer().init(), settings)
+    assert out.tokens == base.tokens
+    # Each round commits the agreeing prefix of its recorded selector chain with the output, plus one token.
+    for row in range(len(prompts)):
+        tokens, offset = out.tokens[row], 1  # token 0 came from prefill
+        for drafts, committed in zip(out.drafts[row], out.accept_lengths[row]):
+            expected = tokens[offset:offset + BLOCK - 1]
+            run = next((i for i, (d, t) in enumerate(zip(drafts, expected)) if d != t), len(expected))
+            assert committed == min(run + 1, len(tokens) - offset)
+            offset += committed
+
+
+def test_dflash2_sampling_matches_target_distribution():
+    """The selector's distributions (over 5 of 8 tokens: the residual must subtract q at the candidates only)
+    keep sampling exact: chi-square against the exact distribution (tests/test_engine_sampling.py's
+    construction and thresholds)."""
+    import test_engine_sampling as ts
+
+    stats = pytest.importorskip("scipy.stats")
+    del stats
+    tc, tp = tiny_target(seed=3, vocab=ts.VOCAB, scale=0.25)
+    config, params = engine_draft(ts.VOCAB, seed=6)
+    cfg = SamplingConfig(0.8)
+    samples = 3000
+    settings = DecodeSettings(max_new_tokens=ts.NEW, sampling=cfg)
+    prop = DFlashProposer(config, 4)
+    out = generate(tc, tp, [ts.PROMPT] * samples, prop,
+                   prop.init(params, shared_head(tp, False), samples, 16 + ts.NEW + 4), settings, seed=21)
+    drawn = [tuple(t) for t in out.tokens]
+    assert ts.chi_square_p(drawn, ts.exact_distribution(tc, tp, cfg)) > 1e-3
+    assert max(a for row in out.accept_lengths for a in row) >= 2  # proposals were accepted, not only rejected
+    # The same samples are far from another temperature's distribution: the test can fail.
+    assert ts.chi_square_p(drawn, ts.exact_distribution(tc, tp, SamplingConfig(0.4))) < 1e-3
