@@ -60,6 +60,12 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"linear_attn/out_proj/kernel$", ("linear", "embed")),
     (r"linear_attn/conv1d/weight$", ("linear", None, None)),
     (r"linear_attn/(A_log|dt_bias)$", (None,)),
+    # DFlash2 drafts (models/dflash2.py): the block convolutions' kernels per channel, the selector's
+    # codebooks over the vocabulary like the head; the low-rank factors are small and stay whole.
+    (r"_conv/base_kernel$", (None, None, "embed")),
+    (r"_conv/kernel_projection/kernel$", ("embed", None)),
+    (r"candidate_selector/(predecessor|successor)_codebook$", ("vocab", None)),
+    (r"candidate_selector/hidden_projection/kernel$", ("embed", None)),
     (r"norm/weight$", ("norm",)),  # every RMSNorm (layer norms, q/k norms, final and hidden norms, DeltaNet's)
 )
 

@@ -383,11 +383,13 @@ def _block_conv_first(h: np.ndarray, weights: dict, prefix: str, config: dict) -
 
 
 def selector_scores_reference(weights: dict, config: dict, logits: np.ndarray, hidden: np.ndarray,
-                              predecessor: int) -> tuple[np.ndarray, np.ndarray]:
-    """The DFlash2 selector at ONE mask position: its ``top_k`` candidates (best first) and their scores
+                              predecessor: int, candidates=None) -> tuple[np.ndarray, np.ndarray]:
+    """The DFlash2 selector at ONE mask position: its ``top_k`` candidates (best first; or the given
+    ``candidates``) and their scores
     ``logit + sum_r pred_code[predecessor, r] * (hidden_projection @ hidden)[r] * succ_code[candidate, r]``."""
     k = int(_cfg_get(config, "selector_top_k"))
-    candidates = np.argsort(-np.asarray(logits, np.float64), kind="stable")[:k]
+    if candidates is None:
+        candidates = np.argsort(-np.asarray(logits, np.float64), kind="stable")[:k]
     projected = np.asarray(weights["candidate_selector.hidden_projection.weight"], np.float64) @ hidden
     pred = np.asarray(weights["candidate_selector.predecessor_codebook"], np.float64)[predecessor]
     succ = np.asarray(weights["candidate_selector.successor_codebook"], np.float64)

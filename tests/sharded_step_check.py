@@ -25,13 +25,24 @@ from dflash_jax.models.target import TargetModel  # noqa: E402
 from dflash_jax.training.step import (  # noqa: E402
     StepConfig, accumulated_gradients, init_train_state, make_optimizer, make_train_step,
 )
+from dflash_jax.checkpoints.official_draft import init_draft_params  # noqa: E402
+from dflash_jax.models.draft_config import DraftConfig  # noqa: E402
+from draft_tiny import official_config  # noqa: E402
 from engine_tiny import tiny_draft, tiny_target  # noqa: E402
 from train_tiny import STEP_KW, tiny_tokenized  # noqa: E402
 
 
-def run(mesh_spec, devices, accum, **loss_kw):
+def dflash2_draft():
+    """The tiny draft as a DFlash2 draft (block convolutions and a selector whose sums join the loss)."""
+    cfg = official_config(architectures=["DFlash2DraftModel"])
+    cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    config = DraftConfig.from_dict(cfg)
+    return config, init_draft_params(config, seed=1)
+
+
+def run(mesh_spec, devices, accum, dflash2=False, **loss_kw):
     tc, tp = tiny_target()
-    dc, dp = tiny_draft()
+    dc, dp = dflash2_draft() if dflash2 else tiny_draft()
     cfg = StepConfig(feature_layers=dc.target_layer_ids, accum_steps=accum, **STEP_KW, **loss_kw)
     data = tiny_tokenized(rows=8)
     batch = data.padded_rows()
@@ -81,6 +92,10 @@ def max_diff(a, b):
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def max_abs(tree):
+    return max(float(np.max(np.abs(np.asarray(x)))) for x in jax.tree.leaves(tree))
+
+
 devs = jax.devices()
 one = run("data=1", devs[:1], 1)
 accum = run("data=1", devs[:1], 4)
@@ -92,16 +107,17 @@ out = {"devices": [one[3], eight[3]], "loss": one[0], "sharded_specs": eight[4],
 for name, other in (("accum4", accum), ("devices8", eight), ("devices8_accum4", eight_accum), ("fsdp8", fsdp)):
     out[name] = {"loss": abs(other[0] - one[0]), "grads": max_diff(other[1], one[1]),
                  "params": max_diff(other[2], one[2])}
-# The distillation losses and D-PACE (their sums must add up over devices and micro-steps just the same).
-KL_DPACE = dict(loss="ce+kl", kl_weight=0.3, temperature=0.8, position_weights="dpace")
+# The distillation losses and D-PACE (their sums must add up over devices and micro-steps just the same), the
+# mixed one on a DFlash2 draft (its selector's sums too).
+KL_DPACE = dict(loss="ce+kl", kl_weight=0.3, temperature=0.8, position_weights="dpace", dflash2=True)
 mixed = run("data=1", devs[:1], 1, **KL_DPACE)
 for name, other in (("ce+kl,dpace/accum4", run("data=1", devs[:1], 4, **KL_DPACE)),
                     ("ce+kl,dpace/devices8", run("data=2,fsdp=2,tensor=2", devs, 1, **KL_DPACE))):
     out[name] = {"loss": abs(other[0] - mixed[0]) / abs(mixed[0]), "grads": max_diff(other[1], mixed[1]),
-                 "params": max_diff(other[2], mixed[2])}
+                 "params": max_diff(other[2], mixed[2]), "grad_scale": max_abs(mixed[1])}
 kl = run("data=1", devs[:1], 1, loss="kl")
 other = run("data=2,fsdp=2,tensor=2", devs, 4, loss="kl")
 out["kl/devices8_accum4"] = {"loss": abs(other[0] - kl[0]) / abs(kl[0]), "grads": max_diff(other[1], kl[1]),
-                             "params": max_diff(other[2], kl[2])}
+                             "params": max_diff(other[2], kl[2]), "grad_scale": max_abs(kl[1])}
 out["kl_loss_differs_from_ce"] = abs(kl[0] - one[0]) / abs(one[0])
 print(json.dumps(out))

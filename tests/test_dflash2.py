@@ -206,3 +206,64 @@ def test_dflash2_sampling_matches_target_distribution():
     assert max(a for row in out.accept_lengths for a in row) >= 2  # proposals were accepted, not only rejected
     # The same samples are far from another temperature's distribution: the test can fail.
     assert ts.chi_square_p(drawn, ts.exact_distribution(tc, tp, SamplingConfig(0.4))) < 1e-3
+
+
+# ----------------------------------------------------------------------------------------------- training
+def _training_selector(module, feats, block_tokens, block_positions, valid, shared, predecessors, labels):
+    """Inside apply: the packed TRAINING forward's final hidden states and logits, then the selector's
+    teacher-forced cross-entropy and picks (exactly what the train step computes per chunk)."""
+    from dflash_jax.training.forward import _block_hidden, _context_kv
+
+    x = _block_hidden(module, _context_kv(module, feats), block_tokens, block_positions, valid, shared)
+    normed = module.norm(x[:, :, 1:])
+    logits = module.normed_logits(normed, shared)
+    return module.candidate_selector.teacher_forced(logits, normed, predecessors, labels)
+
+
+def test_selector_training_scores_equal_inference(bundle):
+    """Train == inference for the selector: teacher-forced on the inference chain's own tokens, the training
+    path picks every one of them; on other labels (some outside the top-k) its cross-entropy equals the NumPy
+    construction over the candidates plus the label."""
+    _, weights, config, params, embed, head = bundle
+    cfg = dflash2_config()
+    rng = np.random.default_rng(2)
+    length, anchors = 20, np.array([[6, 13]], np.int32)
+    feats = rng.standard_normal((1, length, 2 * HIDDEN)).astype(np.float32)
+    anchor_tokens = np.array([[12, 60]], np.int32)
+    block_tokens = np.concatenate([anchor_tokens[..., None], np.full((1, 2, BLOCK - 1), VOCAB - 1, np.int32)], -1)
+    positions = anchors[..., None] + np.arange(BLOCK)
+    shared = SharedHead(jnp.asarray(embed), jnp.asarray(head.T))
+    chains, refs = [], []
+    for i in range(2):
+        a = int(anchors[0, i])
+        ref_logits, ref_hidden = draft_forward_reference(weights, cfg, embed, head, feats[0, :a], block_tokens[0, i],
+                                                         a, return_hidden=True)
+        chains.append(selector_chain_reference(weights, cfg, ref_logits[1:], ref_hidden[1:], anchor_tokens[0, i]))
+        refs.append((ref_logits[1:], ref_hidden[1:]))
+    run = jax.jit(lambda pred, lab: DraftModel(config).apply(
+        {"params": params}, jnp.asarray(feats), jnp.asarray(block_tokens), jnp.asarray(positions),
+        jnp.ones((1, 2), bool), shared, pred, lab, method=_training_selector))
+    chains = np.array(chains, np.int32)[None]
+    predecessors = np.concatenate([anchor_tokens[..., None], chains[..., :-1]], -1)
+    _, picked = run(predecessors, chains)
+    assert bool(np.all(picked))
+    labels = rng.integers(0, VOCAB - 1, size=(1, 2, BLOCK - 1)).astype(np.int32)
+    labels[0, 0, :3] = chains[0, 0, :3]  # some labels among the candidates, most outside the top 5 of 97
+    predecessors = np.concatenate([anchor_tokens[..., None], labels[..., :-1]], -1)
+    ce, picked = run(predecessors, labels)
+    missing = 0
+    for i in range(2):
+        ref_logits, ref_hidden = refs[i]
+        for k in range(BLOCK - 1):
+            cands, scores = selector_scores_reference(weights, cfg, ref_logits[k], ref_hidden[k], predecessors[0, i, k])
+            lab = int(labels[0, i, k])
+            if lab not in cands:  # the label joins the candidates with its own score
+                missing += 1
+                cands = np.append(cands, lab)
+                scores = np.append(scores, selector_scores_reference(weights, cfg, ref_logits[k], ref_hidden[k],
+                                                                     predecessors[0, i, k], [lab])[1])
+            m = scores.max()
+            expected = m + np.log(np.exp(scores - m).sum()) - scores[list(cands).index(lab)]
+            np.testing.assert_allclose(ce[0, i, k], expected, rtol=1e-5, atol=1e-5)
+            assert bool(picked[0, i, k]) == (int(cands[int(np.argmax(scores[:5]))]) == lab)
+    assert missing >= 3

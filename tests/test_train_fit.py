@@ -240,3 +240,27 @@ def test_drop_unfinished_leaves_out_cut_answers(tiny, tmp_path):
         data = read_training_data(cfg, tokenizer, logs.append, progress=False)
         assert len(data) == kept
         assert ("1 unfinished rows left out" in logs[0]) == drop, logs
+
+
+def test_a_new_dflash2_draft_trains_its_selector(tiny):
+    """``draft.architecture: dflash2`` with the KL loss and D-PACE: the selector's loss falls over a short run,
+    its metrics are logged, and the export is a DFlash2 draft in the official layout (codebooks included)."""
+    from dflash_jax.checkpoints.official_draft import load_draft
+    from dflash_jax.training.run_config import load_run_config
+    from dflash_jax.training.trainer import fit
+
+    root, config, _ = tiny
+    out = root / "dflash2"
+    cfg = load_run_config(config, [f"output.dir={out}", "train.max_steps=20", "output.log_every=1",
+                                   "draft.architecture=dflash2", "draft.conv_group_size=16", "draft.selector_rank=8",
+                                   "draft.selector_top_k=4", "train.loss=ce+kl", "train.position_weights=dpace",
+                                   "train.learning_rate=0.003"])
+    result = fit(cfg, progress=False, log=lambda _: None)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["selector_loss"] for r in rows if "selector_loss" in r]
+    assert len(losses) >= 10 and all(k in rows[-1] for k in ("selector_accuracy", "ce", "kl"))
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+    config2, params = load_draft(result.export_dir / "draft")
+    assert config2.dflash2 and config2.selector_top_k == 4
+    assert params["candidate_selector"]["successor_codebook"].shape == (config2.vocab_size, 8)
+    assert json.loads((result.export_dir / "draft" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]

@@ -143,6 +143,11 @@ LAYOUTS = {
     "sliding_bidirectional": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5,
                                   is_causal=False),
     "causal": dict(is_causal=True),
+    # DFlash2: the convolutions run along each packed block on its own (zero before its anchor).
+    "dflash2": dict(architectures=["DFlash2DraftModel"], layer_types=["sliding_attention", "full_attention"],
+                    sliding_window=5, dflash_config={"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1,
+                                                     "conv_kernel_size": 2, "conv_group_size": 16,
+                                                     "selector_rank": 8, "selector_top_k": 5}),
 }
 
 
@@ -309,6 +314,25 @@ def test_kl_and_dpace_losses_vs_brute_force(kl_weight, temperature, weights):
     if kl_weight > 0:  # the two terms are reported apart and mix to the loss
         np.testing.assert_allclose((1 - kl_weight) * metrics["ce"] + kl_weight * metrics["kl"], loss, rtol=1e-5)
         assert float(metrics["kl"]) > 0
+
+
+def test_kl_gradient_equals_autodiff_of_the_plain_formula():
+    """The KL's hand-written backward (softmax(draft) - softmax(target/T)) against autodiff of the textbook
+    expression, with a weight per position."""
+    from dflash_jax.training.loss import forward_kl
+
+    rng = np.random.default_rng(8)
+    zt = jnp.asarray(rng.standard_normal((3, 5, 11)) * 3, jnp.float32)
+    zd = jnp.asarray(rng.standard_normal((3, 5, 11)) * 3, jnp.float32)
+    w = jnp.asarray(rng.random((3, 5)), jnp.float32)
+
+    def plain(d):
+        log_p, log_q = jax.nn.log_softmax(zt / 0.7), jax.nn.log_softmax(d)
+        return jnp.sum(w * jnp.sum(jnp.exp(log_p) * (log_p - log_q), -1))
+
+    np.testing.assert_allclose(jnp.sum(w * forward_kl(zt, zd, 0.7)), plain(zd), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda d: jnp.sum(w * forward_kl(zt, d, 0.7)))(zd), jax.grad(plain)(zd),
+                               atol=1e-6)
 
 
 def test_kl_of_the_draft_equal_to_the_target_is_zero_and_its_gradient_vanishes():

@@ -98,6 +98,28 @@ class CandidateSelector(nn.Module):
         return pair_scores(self.predecessor_codebook, self.successor_codebook, unary, candidates, projected,
                            predecessor)
 
+    def teacher_forced(self, logits: jax.Array, hidden: jax.Array, predecessors: jax.Array,
+                       labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Training (no published recipe; docs/training.md says why this one): at every mask position, the
+        selector's cross-entropy over its candidates given the TRUE predecessor (the anchor, then the previous
+        label), the true token added as one more candidate when the draft's top-k misses it (else the label
+        could never be learnt and the selector would learn nothing at the positions that matter most).
+        ``logits [..., V]``, ``hidden [..., H]`` (final-normed), ``predecessors, labels [...]``. Returns the
+        cross-entropy and whether inference, given that predecessor, would pick the label (both ``[...]``).
+        The candidates are chosen without gradient; their logits keep it, as the unary scores at inference."""
+        _, candidates = top_candidates(jax.lax.stop_gradient(logits), self.top_k)
+        labels = labels.astype(candidates.dtype)
+        hit = candidates == labels[..., None]
+        missing = ~jnp.any(hit, axis=-1)
+        extended = jnp.concatenate([candidates, labels[..., None]], axis=-1)
+        unary = jnp.take_along_axis(logits, extended, axis=-1)
+        scores = self.scores(unary, extended, self.project(hidden), predecessors)
+        label_score = scores[..., -1]  # the label's score, whether or not it is among the candidates
+        pool = jnp.where(jnp.concatenate([jnp.ones_like(hit), missing[..., None]], axis=-1), scores, -jnp.inf)
+        ce = jax.nn.logsumexp(pool, axis=-1) - label_score
+        picked = jnp.take_along_axis(candidates, jnp.argmax(scores[..., :-1], axis=-1)[..., None], axis=-1)[..., 0]
+        return ce, picked == labels
+
 
 def pair_scores(predecessor_codebook: jax.Array, successor_codebook: jax.Array, unary: jax.Array,
                 candidates: jax.Array, projected: jax.Array, predecessor: jax.Array) -> jax.Array:

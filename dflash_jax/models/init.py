@@ -27,6 +27,7 @@ def _is_zero_centered_norm(path) -> bool:
 
 def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_centered_norms: bool = False) -> Any:
     """Random weights for a params tree of ``jax.ShapeDtypeStruct``. Norm weights are one, biases zero,
+    DFlash2 convolution base kernels the identity,
     embeddings N(0, 1), linear kernels ``[in, out]`` N(0, 1/in) (packed MXFP4 experts: random codes at
     scale 2^-5), or N(0, std^2) when ``std`` is given (0.02 is
     Hugging Face's ``initializer_range``, a new draft's start). Unit-scale activations keep greedy choices
@@ -50,6 +51,8 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
             out.append(jnp.asarray(np.full(shape, value, np.float32), dtype))
         elif name == "bias":
             out.append(jnp.asarray(np.zeros(shape, np.float32), dtype))
+        elif name == "base_kernel":  # DFlash2 block convolutions [2, K, H] start as the identity (models/dflash2)
+            out.append(jnp.asarray(np.zeros(shape, np.float32), dtype).at[:, 0, :].set(1.0))
         else:
             # Kernels are [in, out]; stacked experts [E, in, out] and sinks [heads] follow the same rule.
             fan_in = shape[-2] if len(shape) >= 2 else shape[0]

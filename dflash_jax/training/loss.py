@@ -79,6 +79,7 @@ class LossSpec:
     temperature: float = 1.0  # of the target's distribution in the KL term
     position_weights: str = "decay"
     dpace_alpha: float = 0.5  # D-PACE smoothing of q (the paper's default; 0.3-0.7 reported stable)
+    selector_weight: float = 1.0  # DFlash2: weight of the selector's cross-entropy beside the block loss
 
     def __post_init__(self):
         if self.position_weights not in POSITION_WEIGHTS:
@@ -90,6 +91,8 @@ class LossSpec:
             raise UserError(f"kl_weight must lie in [0, 1], got {self.kl_weight}")
         if not self.temperature > 0:
             raise UserError(f"temperature must be positive, got {self.temperature}")
+        if not self.selector_weight >= 0:
+            raise UserError(f"selector_weight must not be negative, got {self.selector_weight}")
 
 
 def dpace_weights(ce: jax.Array, mask: jax.Array, alpha: float) -> jax.Array:
@@ -109,6 +112,8 @@ class LossSums(NamedTuple):
 
     weighted_ce: jax.Array  # sum of w_k * ce over valid labels
     weighted_kl: jax.Array  # sum of w_k * KL(p_target || q_draft) over valid labels (0 when not computed)
+    weighted_selector: jax.Array  # DFlash2: sum of w_k * the selector's teacher-forced cross-entropy (else 0)
+    selector_correct: jax.Array  # DFlash2: valid labels the selector picks given the true predecessor
     weight: jax.Array  # the normaliser: sum of w_k over valid labels (decay), labelled blocks (dpace)
     correct: jax.Array  # [B] correct greedy predictions per block position (0 at the anchor)
     count: jax.Array  # [B] valid labels per block position
@@ -118,37 +123,63 @@ class LossSums(NamedTuple):
     @classmethod
     def zeros(cls, block_size: int) -> "LossSums":
         z = jnp.zeros((), jnp.float32)
-        return cls(z, z, z, jnp.zeros((block_size,), jnp.float32), jnp.zeros((block_size,), jnp.float32), z, z)
+        return cls(z, z, z, z, z, jnp.zeros((block_size,), jnp.float32), jnp.zeros((block_size,), jnp.float32),
+                   z, z)
 
     def __add__(self, other: "LossSums") -> "LossSums":  # type: ignore[override]
         return LossSums(*(a + b for a, b in zip(self, other)))
 
-    def objective(self, kl_weight: float) -> jax.Array:
-        """The unnormalised training objective ``sum(w * ((1 - a) ce + a kl))`` (differentiate this, then
-        divide by the global ``weight``)."""
-        if kl_weight == 0.0:
-            return self.weighted_ce
+    def objective(self, kl_weight: float, selector_weight: float = 0.0) -> jax.Array:
+        """The unnormalised training objective ``sum(w * ((1 - a) ce + a kl + s selector))`` (differentiate
+        this, then divide by the global ``weight``)."""
+        total = self.weighted_ce
         if kl_weight == 1.0:
-            return self.weighted_kl
-        return (1.0 - kl_weight) * self.weighted_ce + kl_weight * self.weighted_kl
+            total = self.weighted_kl
+        elif kl_weight > 0.0:
+            total = (1.0 - kl_weight) * self.weighted_ce + kl_weight * self.weighted_kl
+        if selector_weight > 0.0:
+            total = total + selector_weight * self.weighted_selector
+        return total
 
 
 def forward_kl(target_logits: jax.Array, draft_logits: jax.Array, temperature: float = 1.0) -> jax.Array:
     """``KL(softmax(target / T) || softmax(draft))`` over the last axis, in float32. The target side is a
     constant (no gradient reaches the frozen target)."""
-    log_p = jax.nn.log_softmax(jax.lax.stop_gradient(target_logits).astype(jnp.float32) / temperature, axis=-1)
-    log_q = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+    target = jax.lax.stop_gradient(target_logits).astype(jnp.float32) / temperature
+    return _kl_of_logits(target, draft_logits.astype(jnp.float32))
+
+
+@jax.custom_vjp
+def _kl_of_logits(target: jax.Array, draft: jax.Array) -> jax.Array:
+    log_p, log_q = jax.nn.log_softmax(target, axis=-1), jax.nn.log_softmax(draft, axis=-1)
     # p log p is taken as 0 where p underflows to 0 (exp(-inf) * -inf would be nan).
     return jnp.sum(jnp.where(log_p > -jnp.inf, jnp.exp(log_p) * (log_p - log_q), 0.0), axis=-1)
 
 
+def _kl_forward(target, draft):
+    return _kl_of_logits(target, draft), (target, draft)
+
+
+def _kl_backward(residuals, g):
+    # d KL / d draft = softmax(draft) - softmax(target): written out, so that the backward pass keeps only the
+    # two logit arrays (autodiff of the log-softmaxes would hold four more [.., V] arrays per chunk).
+    target, draft = residuals
+    grad = (jax.nn.softmax(draft, axis=-1) - jax.nn.softmax(target, axis=-1)) * g[..., None]
+    return jnp.zeros_like(target), grad
+
+
+_kl_of_logits.defvjp(_kl_forward, _kl_backward)
+
+
 def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.Array, spec: LossSpec,
-                    target_logits: jax.Array | None = None) -> LossSums:
+                    target_logits: jax.Array | None = None,
+                    selector: tuple[jax.Array, jax.Array] | None = None) -> LossSums:
     """``LossSums`` of blocks from the logits of their MASK positions only.
 
     ``draft_logits [..., B-1, V]`` are block positions 1..B-1 (the anchor predicts nothing, so its logits are
     never computed); ``labels, label_mask [..., B]`` cover the whole block. ``target_logits [..., B-1, V]``
-    (the target's own logits predicting the same tokens) add the KL sum. Everything in float32.
+    (the target's own logits predicting the same tokens) add the KL sum; ``selector`` (a DFlash2 draft's
+    teacher-forced cross-entropy and correct picks ``[..., B-1]``) its sums. Everything in float32.
     """
     block = labels.shape[-1]
     labels_k, mask_k = labels[..., 1:], label_mask[..., 1:].astype(bool)
@@ -164,13 +195,19 @@ def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.
     weighted_kl = jnp.zeros((), jnp.float32)
     if target_logits is not None:
         weighted_kl = jnp.sum(w * forward_kl(target_logits, logits, spec.temperature))
+    z = jnp.zeros((), jnp.float32)
+    weighted_selector = selector_correct = z
+    if selector is not None:
+        weighted_selector = jnp.sum(w * jnp.where(mask_k, selector[0], 0.0))
+        selector_correct = jnp.sum(selector[1] & mask_k).astype(jnp.float32)
     correct = ((jnp.argmax(logits, axis=-1) == labels_k) & mask_k).reshape(-1, block - 1).astype(jnp.float32)
     mask_f = mask_k.reshape(-1, block - 1).astype(jnp.float32)
     run = jnp.cumprod(correct, axis=1).sum(1)  # leading run of correct predictions from k = 1
     has_block = mask_f[:, 0]
     pad = jnp.zeros((1,), jnp.float32)
     return LossSums(
-        weighted_ce=jnp.sum(w * ce), weighted_kl=weighted_kl, weight=normaliser.astype(jnp.float32),
+        weighted_ce=jnp.sum(w * ce), weighted_kl=weighted_kl, weighted_selector=weighted_selector,
+        selector_correct=selector_correct, weight=normaliser.astype(jnp.float32),
         correct=jnp.concatenate([pad, correct.sum(0)]), count=jnp.concatenate([pad, mask_f.sum(0)]),
         accepted=jnp.sum((1.0 + run) * has_block), blocks=has_block.sum(),
     )
@@ -182,12 +219,14 @@ def implied_acceptance(accuracy_per_position: jax.Array) -> jax.Array:
     return 1.0 + jnp.sum(jnp.cumprod(accuracy_per_position[1:]))
 
 
-def loss_and_metrics(sums: LossSums, kl_weight: float = 0.0) -> tuple[jax.Array, dict]:
-    """The one division: loss ``objective / sum(w)`` and the metrics, from (globally reduced) sums. With a
-    KL term the metrics also hold ``ce`` and ``kl`` apart."""
+def loss_and_metrics(sums: LossSums, kl_weight: float = 0.0, selector_weight: float | None = None
+                     ) -> tuple[jax.Array, dict]:
+    """The one division: loss ``objective / normaliser`` and the metrics, from (globally reduced) sums. With a
+    KL term the metrics also hold ``ce`` and ``kl`` apart; with a selector (``selector_weight`` not None: a
+    DFlash2 draft) its loss and teacher-forced accuracy."""
     per_pos = sums.correct / jnp.maximum(sums.count, 1.0)
     weight = jnp.maximum(sums.weight, 1e-12)
-    loss = sums.objective(kl_weight) / weight
+    loss = sums.objective(kl_weight, selector_weight or 0.0) / weight
     metrics = {
         "loss": loss,
         "accuracy": sums.correct.sum() / jnp.maximum(sums.count.sum(), 1.0),
@@ -199,6 +238,9 @@ def loss_and_metrics(sums: LossSums, kl_weight: float = 0.0) -> tuple[jax.Array,
     if kl_weight > 0.0:
         metrics["ce"] = sums.weighted_ce / weight
         metrics["kl"] = sums.weighted_kl / weight
+    if selector_weight is not None:
+        metrics["selector_loss"] = sums.weighted_selector / weight
+        metrics["selector_accuracy"] = sums.selector_correct / jnp.maximum(sums.count.sum(), 1.0)
     return loss, metrics
 
 

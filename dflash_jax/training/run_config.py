@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import yaml
 
 from dflash_jax.models.config import ConfigError
-from dflash_jax.models.draft_config import CONTEXT_INJECTIONS
+from dflash_jax.models.draft_config import CONTEXT_INJECTIONS, DFLASH2_FIELDS
 from dflash_jax.training.loss import LOSSES, POSITION_WEIGHTS
 
 REQUIRED = object()
@@ -46,6 +46,12 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
                                    "sqrt(head_dim), so tiny heads cannot focus)"),
         "context_injection": (None, (str,), "every_layer (DFlash: features as keys/values in every layer) or "
                                             "input (the paper's ablation: features at the input only)"),
+        "architecture": (None, (str,), "a new draft's kind: dflash (the paper's; default) or dflash2 (block "
+                                       "convolutions in every layer and a candidate selector, DFlash2DraftModel)"),
+        "conv_kernel_size": (None, (int,), "dflash2: convolution length along the block (default 2)"),
+        "conv_group_size": (None, (int,), "dflash2: channels sharing one dynamic kernel (default 16)"),
+        "selector_rank": (None, (int,), "dflash2: rank of the selector's pairwise score (default 256)"),
+        "selector_top_k": (None, (int,), "dflash2: candidates the selector chooses among (default 16)"),
         "allow_last_layer": (False, (bool,), "experiments only: let a new draft read the target's last layer "
                                              "(the official code runs it; SGLang/vLLM cannot serve it)"),
         "init_std": (0.02, (float, int), "std of the normal init of new linear weights (HF initializer_range)"),
@@ -76,6 +82,8 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "position_weights": ("decay", (str,), "decay (exp(-(k-1)/gamma), the paper's) or dpace (D-PACE: each "
                                               "position by the acceptance it still unlocks, arXiv 2605.18810)"),
         "dpace_alpha": (0.5, (float, int), "position_weights dpace: smoothing of the draft's label probability"),
+        "selector_weight": (1.0, (float, int), "dflash2 drafts: weight of the selector's teacher-forced "
+                                               "cross-entropy beside the block loss"),
         "anchors": ("random", (str,), "random (fresh distinct anchors every step) or uniform (ablation: "
                                       "non-overlapping blocks end to end)"),
         "learning_rate": (6e-4, (float, int), "peak AdamW learning rate"),
@@ -105,11 +113,12 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
 }
 
 POSITIVE = {"draft.num_layers", "draft.block_size", "draft.intermediate_size", "draft.num_attention_heads",
-            "draft.num_key_value_heads", "draft.head_dim", "data.max_length", "train.epochs",
+            "draft.num_key_value_heads", "draft.head_dim", "draft.conv_kernel_size", "draft.conv_group_size",
+            "draft.selector_rank", "draft.selector_top_k", "data.max_length", "train.epochs",
             "train.max_steps", "train.global_batch", "train.accum_steps", "train.num_anchors", "train.anchor_chunk",
             "train.gamma", "train.kl_temperature", "train.learning_rate", "train.clip_norm", "output.save_every", "output.keep",
             "output.log_every", "output.eval_num_prompts", "output.eval_max_new_tokens", "draft.init_std"}
-NON_NEGATIVE = {"train.warmup_ratio", "train.min_lr_ratio", "train.weight_decay", "output.eval_every", "train.seed"}
+NON_NEGATIVE = {"train.selector_weight", "train.warmup_ratio", "train.min_lr_ratio", "train.weight_decay", "output.eval_every", "train.seed"}
 
 
 def _type_name(types: tuple[type, ...]) -> str:
@@ -179,6 +188,12 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
     if out["draft"]["context_injection"] not in (None, *CONTEXT_INJECTIONS):
         raise ConfigError(f"{source}: draft.context_injection must be one of {', '.join(CONTEXT_INJECTIONS)}, got "
                           f"{out['draft']['context_injection']!r}")
+    if out["draft"]["architecture"] not in (None, "dflash", "dflash2"):
+        raise ConfigError(f"{source}: draft.architecture must be dflash or dflash2, got {out['draft']['architecture']!r}")
+    if out["draft"]["architecture"] != "dflash2":
+        given = [k for k in DFLASH2_FIELDS if out["draft"][k] is not None]
+        if given:
+            raise ConfigError(f"{source}: draft.{given[0]} belongs to a DFlash2 draft; set draft.architecture: dflash2")
     if out["draft"]["block_size"] is not None and out["draft"]["block_size"] < 2:
         raise ConfigError(f"{source}: draft.block_size must be at least 2, got {out['draft']['block_size']}")
     if out["output"]["export_dtype"] not in (None, "float32", "bfloat16", "float16"):

@@ -56,6 +56,7 @@ class StepConfig:
     temperature: float = 1.0  # of the target's distribution in the KL term
     position_weights: str = "decay"  # "decay" (the paper's, gamma) or "dpace" (D-PACE, training/loss.py)
     dpace_alpha: float = 0.5
+    selector_weight: float = 1.0  # DFlash2 drafts: the selector's cross-entropy beside the block loss
 
     def __post_init__(self):
         self.loss_spec  # validates the loss fields
@@ -63,7 +64,7 @@ class StepConfig:
     @property
     def loss_spec(self) -> LossSpec:
         return LossSpec(self.gamma, kl_share(self.loss, self.kl_weight), self.temperature, self.position_weights,
-                        self.dpace_alpha)
+                        self.dpace_alpha, self.selector_weight)
 
     @property
     def kl_share(self) -> float:
@@ -98,8 +99,13 @@ def _chunk_logits_sums(module: DraftModel, context_kv, target_hidden, block_toke
     target_logits = None
     if target_hidden is not None:
         target_logits = constrain_batch(_target_logits_at(shared, target_hidden, block_positions))
-    return block_loss_sums(constrain_batch(module.logits(x[:, :, 1:], shared)), labels, label_mask, spec,
-                           target_logits)
+    normed = module.norm(x[:, :, 1:])
+    logits = constrain_batch(module.normed_logits(normed, shared))
+    selector = None
+    if module.candidate_selector is not None:  # DFlash2: predecessors are the anchor, then the true tokens
+        predecessors = jnp.concatenate([block_tokens[..., :1], labels[..., 1:-1]], axis=-1)
+        selector = module.candidate_selector.teacher_forced(logits, normed, predecessors, labels[..., 1:])
+    return block_loss_sums(logits, labels, label_mask, spec, target_logits, selector)
 
 
 def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, block_tokens: jax.Array,
@@ -210,7 +216,7 @@ def accumulated_gradients(params: Any, target_params: Any, batch: Batch, key: ja
 
     def objective(p, mb, idx):
         sums = batch_loss_sums(_cast(p, compute_dtype), target_params, mb, key, idx, target, draft, cfg)
-        return sums.objective(cfg.kl_share), sums
+        return sums.objective(cfg.kl_share, cfg.selector_weight), sums
 
     grad_fn = jax.grad(objective, has_aux=True)
 
@@ -250,7 +256,8 @@ def make_train_step(target: TargetModel, draft: DraftModel, cfg: StepConfig, opt
         grads, sums = accumulated_gradients(state.params, target_params, batch, key, target, draft, cfg)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        loss, metrics = loss_and_metrics(sums, cfg.kl_share)
+        loss, metrics = loss_and_metrics(sums, cfg.kl_share,
+                                         cfg.selector_weight if draft.config.dflash2 else None)
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["tokens"] = jnp.sum(batch["lengths"]).astype(jnp.float32)
         if schedule is not None:

@@ -31,7 +31,7 @@ from dflash_jax.engine.decoder import stop_tokens_of
 from dflash_jax.engine.generate import prompt_width
 from dflash_jax.models.config import ConfigError, TargetConfig
 from dflash_jax.models.draft import DraftModel
-from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.draft_config import DFLASH2, DFLASH2_FIELDS, DraftConfig
 from dflash_jax.models.target import TargetModel
 from dflash_jax.errors import UserError
 from dflash_jax.precision import resolve_dtype
@@ -41,14 +41,18 @@ from dflash_jax.training.metrics import MetricsLogger
 from dflash_jax.training.step import StepConfig, TrainState, init_train_state, make_optimizer, make_train_step
 
 NEW_DRAFT_KEYS = ("num_layers", "block_size", "target_layer_ids", "mask_token_id", "intermediate_size",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "context_injection")
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "context_injection", "architecture",
+                  *DFLASH2_FIELDS)
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 UNIFORM_GAMMA = 1e9  # exp(-(k-1)/gamma) == 1 to float precision: the uniform-weight ablation
 
 
 
-def _unused_loss_field(step_cfg: StepConfig, name: str) -> bool:
+def _unused_loss_field(step_cfg: StepConfig, name: str, draft: DraftConfig) -> bool:
     """Loss fields that cannot change the model under this config (left out of the fingerprint, so runs
     started before the options existed resume unchanged)."""
+    if name == "selector_weight":
+        return not draft.dflash2
     defaults = {"loss": "ce", "position_weights": "decay"}
     if name in defaults:
         return getattr(step_cfg, name) == defaults[name]
@@ -81,6 +85,11 @@ def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, di
     shape = {k: d[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                                "context_injection") if d[k]}
     config = dataclasses.replace(config, **shape)
+    if d["architecture"] == "dflash2":  # through the official config, so its checks name the same fields
+        official = config.to_official_dict()
+        official["architectures"] = [DFLASH2]
+        official["dflash_config"].update({k: d[k] or DFLASH2_DEFAULTS[k] for k in DFLASH2_FIELDS})
+        config = DraftConfig.from_dict(official, source="run config [draft]")
     if config.reads_last_layer and not d["allow_last_layer"]:
         raise ConfigError(f"run config: draft.{config.last_layer_note()}. Pick earlier layers (the default spread "
                           "ends 3 before the last), or set draft.allow_last_layer: true for an experiment")
@@ -225,7 +234,8 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
                           anchor_chunk=t["anchor_chunk"], accum_steps=t["accum_steps"],
                           tied_head=target_config.tie_word_embeddings, anchors=t["anchors"], loss=t["loss"],
                           kl_weight=float(t["kl_weight"]), temperature=float(t["kl_temperature"]),
-                          position_weights=t["position_weights"], dpace_alpha=float(t["dpace_alpha"]))
+                          position_weights=t["position_weights"], dpace_alpha=float(t["dpace_alpha"]),
+                          selector_weight=float(t["selector_weight"]))
     global_batch = t["global_batch"]
     num_rows = len(tokenized)
     epoch_steps = steps_per_run(num_rows, global_batch, t["epochs"])
@@ -240,7 +250,7 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
     fingerprint = {
         "draft": draft_config.to_official_dict(),
         "step": {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(step_cfg).items()
-                 if k not in ("anchor_chunk", "accum_steps") and not _unused_loss_field(step_cfg, k)},
+                 if k not in ("anchor_chunk", "accum_steps") and not _unused_loss_field(step_cfg, k, draft_config)},
         "data": {"fingerprint": tokenized.fingerprint(), "global_batch": global_batch, "epochs": t["epochs"],
                  "seed": t["seed"]},
         "optimizer": {k: t[k] for k in ("learning_rate", "warmup_ratio", "min_lr_ratio", "weight_decay",
