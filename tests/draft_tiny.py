@@ -19,7 +19,7 @@ def official_config(**overrides) -> dict:
         "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "intermediate_size": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "rope_scaling": None, "attention_bias": False, "layer_types": ["full_attention", "full_attention"],
-        "sliding_window": None, "max_position_embeddings": 512, "vocab_size": VOCAB, "hidden_act": "silu",
+        "sliding_window": None, "use_sliding_window": True, "max_position_embeddings": 512, "vocab_size": VOCAB, "hidden_act": "silu",
         "block_size": 8, "num_target_layers": TARGET_LAYERS,
         "dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1},
     }

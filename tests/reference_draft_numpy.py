@@ -22,7 +22,8 @@ Conventions fixed here (where the SPEC leaves room)
   ``sliding_attention`` layers are causal and ``full_attention`` layers bidirectional. A query at absolute
   position ``p`` sees a key at absolute position ``k`` iff (not causal or ``k <= p``) and, on a sliding layer,
   ``p - k < sliding_window`` and (causal or ``k - p < sliding_window``). A missing / ``None``
-  ``sliding_window`` means no limit. A missing ``layer_types`` means every layer is ``full_attention``.
+  ``sliding_window``, or ``use_sliding_window`` not true (transformers' default false), means no limit. A
+  missing ``layer_types`` means every layer is ``full_attention``.
 * RoPE: ``inv_freq[i] = theta ** (-2i / head_dim)`` for ``i < head_dim / 2``; angles ``pos * inv_freq`` are
   duplicated to ``head_dim`` (``cat(freqs, freqs)``), ``x' = x * cos + rotate_half(x) * sin`` with
   ``rotate_half(x) = cat(-x[d/2:], x[:d/2])``. ``rope_theta`` is read from the top level, else from
@@ -239,7 +240,8 @@ def draft_forward_reference(
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
     group = num_heads // num_kv
     scale = d ** -0.5
-    window = config.get("sliding_window")
+    # transformers' Qwen3Config: no window at all unless use_sliding_window is true (its default is false).
+    window = config.get("sliding_window", 4096) if config.get("use_sliding_window", False) else None
     emb_scale = float(_cfg_get(config, "input_embedding_scale", 1.0))
     out_mult = float(_cfg_get(config, "output_multiplier", 1.0))
     softcap = _cfg_get(config, "final_logit_softcapping", None)
@@ -530,7 +532,7 @@ def _self_check() -> None:
 
     # 1. Sliding layers: context at positions <= start - window is invisible to every query of every layer.
     W = 6
-    cfg = _tiny_config(layer_types=["sliding_attention"] * 2, sliding_window=W)
+    cfg = _tiny_config(layer_types=["sliding_attention"] * 2, sliding_window=W, use_sliding_window=True)
     w = random_official_draft_weights(cfg, n_feat, rng)
     start = 30
     ctx = rng.standard_normal((start, n_feat * 64))
@@ -615,7 +617,8 @@ def _self_check() -> None:
     assert not np.allclose(c1, r1)
 
     # 6. Cross-check the loop attention against a vectorised one-layer recomputation (layer 0, query outputs).
-    cfg1 = _tiny_config(num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=5)
+    cfg1 = _tiny_config(num_hidden_layers=1, layer_types=["sliding_attention"], sliding_window=5,
+                        use_sliding_window=True)
     w1 = {k: v for k, v in w.items() if not k.startswith("layers.1.")}
     ref = draft_forward_reference(w1, cfg1, embed, head, ctx, block, 9)
     f = lambda name: w1[name].astype(np.float64)

@@ -221,10 +221,6 @@ def test_validate_against_errors_name_field_and_both_values(draft_overrides, tar
     ({"layer_types": ["full_attention", "local_attention"]},
      r"layer type 'local_attention' is not one of full_attention, sliding_attention"),
     ({"layer_types": ["full_attention"]}, r"layer_types has 1 entries but num_hidden_layers is 2"),
-    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None},
-     r"sliding_attention layers need a positive sliding_window, got None"),
-    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 0},
-     r"sliding_attention layers need a positive sliding_window, got 0"),
     ({"block_size": 1}, r"field 'block_size' must be between 2 and 1024, got 1"),
     ({"hidden_size": None}, r"missing required field 'hidden_size'"),
     ({"num_target_layers": None}, r"missing required field 'num_target_layers'"),
@@ -294,11 +290,29 @@ def test_missing_directory_and_corrupt_file(tmp_path):
 
 
 def test_sliding_window_settings_as_the_official_code_reads_them():
-    """SPEC section 4: use_sliding_window false drops every window; without layer_types a layer is sliding iff
-    a window is set and its index is >= max_window_layers (Qwen3Config's rule, default 28)."""
+    """As transformers' Qwen3Config (the official code's config class) reads them, checked against it:
+    use_sliding_window false (also its default, when absent) drops every window but keeps the layer types (a
+    sliding layer stays causal inside the block); sliding_window null or 0 is no window; an absent one is 4096;
+    without layer_types a layer is sliding iff a window is set and its index is >= max_window_layers (default
+    28)."""
+    from transformers import Qwen3Config
+
+    for extra in ({"use_sliding_window": False}, {"use_sliding_window": None}, {"sliding_window": None},
+                  {"sliding_window": 0}, {"drop": "sliding_window"}, {"drop": "use_sliding_window"}):
+        raw = official_config(layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+        raw.pop(extra.pop("drop", None), None)
+        raw.update(extra)
+        if raw.get("use_sliding_window") is None:
+            raw.pop("use_sliding_window", None)
+        cfg = DraftConfig.from_dict(raw)
+        hf = Qwen3Config(**{k: v for k, v in raw.items() if k not in ("dflash_config", "architectures")})
+        assert cfg.layer_types == tuple(hf.layer_types), extra
+        assert cfg.sliding_window == (hf.sliding_window or None), (extra, hf.sliding_window)
+        assert cfg.layer_causal == (True, False)
     off = DraftConfig.from_dict(official_config(layer_types=["sliding_attention", "full_attention"],
                                                 sliding_window=16, use_sliding_window=False))
-    assert off.layer_types == ("full_attention", "full_attention") and off.sliding_window is None
+    assert off.sliding_window is None and off.layer_window(0) is None
+    assert off.to_official_dict()["use_sliding_window"] is False
     by_index = DraftConfig.from_dict(official_config(layer_types=None, sliding_window=16, max_window_layers=1))
     assert by_index.layer_types == ("full_attention", "sliding_attention") and by_index.sliding_window == 16
     default = DraftConfig.from_dict(official_config(layer_types=None, sliding_window=16))

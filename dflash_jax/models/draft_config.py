@@ -140,10 +140,13 @@ class DraftConfig:
             raise ConfigError(f"{source}: missing required field 'mask_token_id' (in dflash_config or top level)")
         mask_id = int_field(merged, "mask_token_id", source, minimum=0)  # validate_against: inside the target's table
         block = int_field(merged, "block_size", source, minimum=2, maximum=MAX_BLOCK_SIZE)
-        use_window = bool_field(cfg, "use_sliding_window", source, True)
-        window = int_field(cfg, "sliding_window", source, None, minimum=0) or None  # 0: no window
-        if not use_window:  # transformers then drops the window everywhere
-            window = None
+        # As transformers' Qwen3Config (the official code's config class) reads them: without
+        # use_sliding_window (default false) there is no window anywhere, whatever sliding_window says; an
+        # absent sliding_window is 4096 under use_sliding_window true. Layer types stay as given: a sliding layer
+        # without a window is still causal inside the block (the official per-layer rule).
+        use_window = bool_field(cfg, "use_sliding_window", source, False)
+        window = int_field(cfg, "sliding_window", source, None, minimum=0) if "sliding_window" in cfg else 4096
+        window = (window or None) if use_window else None  # 0: no window
         if cfg.get("layer_types") is not None:
             layer_types = cfg["layer_types"]
             if not isinstance(layer_types, list):
@@ -161,11 +164,6 @@ class DraftConfig:
             raise ConfigError(
                 f"{source}: layer_types has {len(layer_types)} entries but num_hidden_layers is {layers}"
             )
-        if not use_window:
-            layer_types = ("full_attention",) * layers
-        if "sliding_attention" in layer_types and window is None:
-            raise ConfigError(f"{source}: sliding_attention layers need a positive sliding_window, got "
-                              f"{cfg.get('sliding_window')!r}")
         cap = float_field(merged, "final_logit_softcapping", source, None)
         if cap is not None and cap < 0:
             raise ConfigError(f"{source}: field 'final_logit_softcapping' must be positive (or 0/null for none), "
@@ -239,7 +237,7 @@ class DraftConfig:
             "attention_dropout": 0.0,
             "layer_types": list(self.layer_types),
             "sliding_window": self.sliding_window,
-            "use_sliding_window": "sliding_attention" in self.layer_types,
+            "use_sliding_window": self.sliding_window is not None,
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
             "tie_word_embeddings": False,
