@@ -223,6 +223,17 @@ def test_train_speed_reports_the_targets_share(tiny, capsys):
     assert out["draft_params"] > 0 and out["target_params"] > 0
 
 
+def test_train_speed_compares_variants_side_by_side(tiny, capsys):
+    root, config, _ = tiny
+    assert train_main(["speed", "--config", str(config), "--steps", "2", "--json",
+                       "--compare", "kl:train.loss=kl", "--compare", "more:train.num_anchors=12;train.anchor_chunk=12"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == ["as configured", "kl", "more"] and out["as configured"]["ratio"] == 1.0
+    assert all(r["step_s"] > 0 for r in out.values())
+    assert train_main(["speed", "--config", str(config), "--compare", "broken"]) == 2
+    assert "expected NAME:KEY=VALUE" in capsys.readouterr().err
+
+
 def test_drop_unfinished_leaves_out_cut_answers(tiny, tmp_path):
     """data.drop_unfinished: rows a regeneration marked "finished": false are not trained on (and counted)."""
     from dflash_jax.checkpoints.loading import load_tokenizer

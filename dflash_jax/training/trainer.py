@@ -470,3 +470,31 @@ def measure_step(run: Run, steps: int = 10) -> dict:
             "max_length": run.tokenized.max_length, "num_anchors": run.step_cfg.num_anchors,
             "block_size": run.step_cfg.block_size, "draft_params": param_count(run.init_params),
             "target_params": param_count(run.target_params)}
+
+
+def compare_steps(runs: dict[str, Run], steps: int = 10) -> dict[str, dict]:
+    """Time the train steps of several runs side by side: after one warm-up step each, the runs take turns,
+    one step at a time, on their own batches, so drift of the machine's speed reaches them all alike. Per run:
+    the median step time and the ratio to the first run's."""
+    programs = {}
+    for name, run in runs.items():
+        with jax.set_mesh(run.mesh):
+            state_sh = sharding.tree_shardings(run.abstract_state(), run.mesh)
+            state, step, batches = run.initial_state(state_sh), run.jitted_step(state_sh), run.batches()
+            state, metrics = step(state, run.target_params, run.global_batch_of(next(batches)))
+            jax.block_until_ready(metrics)
+        programs[name] = [state, step, batches]
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(steps):
+        for name, run in runs.items():
+            state, step, batches = programs[name]
+            with jax.set_mesh(run.mesh):
+                batch = run.global_batch_of(next(batches))
+                t0 = time.perf_counter()
+                state, metrics = step(state, run.target_params, batch)
+                jax.block_until_ready(metrics)
+                times[name].append(time.perf_counter() - t0)
+            programs[name][0] = state
+    first = float(np.median(times[next(iter(runs))]))
+    return {name: {"step_s": float(np.median(t)), "ratio": float(np.median(t)) / first,
+                   "spread_s": float(np.percentile(t, 75) - np.percentile(t, 25))} for name, t in times.items()}
