@@ -41,7 +41,14 @@ for seed in 0 1; do
   row "kl-s$seed" --set "train.seed=$seed" --set train.loss=kl
   row "ce+kl-s$seed" --set "train.seed=$seed" --set train.loss=ce+kl
   row "dpace-s$seed" --set "train.seed=$seed" --set train.position_weights=dpace
+  row "dflash2-s$seed" --set "train.seed=$seed" --set draft.architecture=dflash2
 done
+
+# The step time of each row relative to the paper's recipe, measured side by side (the runs take turns).
+[ -f "$OUT/step-times.txt" ] || python -m train speed --config "$CONFIG" --steps 20 \
+  --compare kl:train.loss=kl --compare "ce+kl:train.loss=ce+kl" --compare dpace:train.position_weights=dpace \
+  --compare dflash2:draft.architecture=dflash2 > "$OUT/step-times.txt"
+cat "$OUT/step-times.txt"
 
 python - "$OUT" <<'PY'
 import json, pathlib, sys
