@@ -6,6 +6,10 @@ written to disk and loaded through ``load_draft``: logits and final hidden state
 (fp32), greedy chains equal, sampling distributions at 1e-5. Then the official layout round trip, bad
 configs, and the engine: greedy DFlash2 decoding equals plain decoding, and its sampling is lossless (a
 chi-square test against the exact distribution, as tests/test_engine_sampling.py).
+
+Also compared once, outside the suite, with the official ``DFlash2DraftModel`` (z-lab/dflash ``dflash/model.py``
+at commit 10129599, transcribed outside the repository, torch CPU) on the checkpoint of ``bundle``'s shape:
+logits within 6.0e-6 (largest 10.8) and the same greedy chain (docs/training.md).
 """
 
 import copy
@@ -109,6 +113,17 @@ def test_export_round_trip_is_exact(bundle, tmp_path):
     for k, v in weights.items():
         np.testing.assert_array_equal(again[k], v, err_msg=k)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+
+
+def test_convert_to_orbax_and_back_is_bit_exact(bundle, tmp_path, capsys):
+    from infer.convert import main as convert_main
+
+    path, weights, _, _, _, _ = bundle
+    assert convert_main(["--from", str(path), "--to", str(tmp_path / "orbax")]) == 0
+    assert convert_main(["--from", str(tmp_path / "orbax"), "--to", str(tmp_path / "back")]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(back) == sorted(weights) and all(back[k].tobytes() == v.tobytes() for k, v in weights.items())
+    assert DraftConfig.from_json(tmp_path / "back" / "config.json").selector_top_k == 5
 
 
 def test_forward_and_selector_equal_the_numpy_construction(bundle):
