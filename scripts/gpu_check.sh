@@ -17,6 +17,9 @@
 # 6. the speed tool at the whole hybrid Qwen3.5-4B (32 layers, 24 of them Gated DeltaNet) and Qwen3.5-35B-A3B
 #    (40 layers, ~70 GB) in bfloat16: verify through the linear layers, the rollback of their states (should be
 #    under 5% of a round), the draft and the bound; ~3 minutes; alone with STEPS=hybrid.
+# 7. what the KL loss adds to the train step's memory on the device (XLA:CPU's plan shows +22 GiB per device at
+#    paper scale, most likely its float32 copies of the head): the Qwen3-8B pairing's step compiled for this one
+#    GPU, 1 sequence of 3072 tokens, ce and kl; compile only (nothing allocated); ~2 minutes; alone STEPS=kl.
 # Each step writes OUT_DIR/<step>.txt and prints its tail; a step that fails or runs out of time does not stop
 # the next.
 set -uo pipefail
@@ -48,7 +51,7 @@ for kernel in cudnn loop; do
 done
 step prefill-memory 50 python scripts/prefill_memory.py --lengths 4096,16384,32768
 fi
-if [ "${STEPS:-all}" != hybrid ]; then
+if [ "${STEPS:-all}" = all ] || [ "${STEPS:-all}" = moe ]; then
 for path in auto grouped; do
   step "speed-qwen3-coder-30b-a3b-$path" 150 python -m infer speed --preset qwen3-coder-30b-a3b --target-layers 48 \
     --dtype bfloat16 --context 1024 --new-tokens 129 --tau 6 --repeats 5 --expert-path "$path" \
@@ -57,7 +60,15 @@ done
 step speed-gpt-oss-20b 120 python -m infer speed --preset gpt-oss-20b --target-layers 24 --dtype bfloat16 \
   --context 1024 --new-tokens 129 --tau 4 --repeats 5 --json "$OUT_DIR/speed-gpt-oss-20b.json"
 fi
+if [ "${STEPS:-all}" = all ] || [ "${STEPS:-all}" = hybrid ]; then
 step speed-qwen3.5-4b 90 python -m infer speed --preset qwen3.5-4b --target-layers 32 --dtype bfloat16 \
   --context 1024 --new-tokens 129 --tau 6 --repeats 5 --json "$OUT_DIR/speed-qwen3.5-4b.json"
 step speed-qwen3.5-35b-a3b 150 python -m infer speed --preset qwen3.5-35b-a3b --target-layers 40 --dtype bfloat16 \
   --context 1024 --new-tokens 129 --tau 6 --repeats 5 --json "$OUT_DIR/speed-qwen3.5-35b-a3b.json"
+fi
+if [ "${STEPS:-all}" = all ] || [ "${STEPS:-all}" = kl ]; then
+for loss in ce kl; do
+  step "plan-8b-$loss" 90 python -m train plan --pairing qwen3-8b-dflash-b16 --mesh data=1 --global-batch 1 \
+    --seq-len 3072 --num-anchors 512 --anchor-chunk 64 --dtype bfloat16 --loss "$loss"
+done
+fi
