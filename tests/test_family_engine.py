@@ -30,6 +30,16 @@ from train_tiny import STEP_KW
 BLOCK = 8
 PROMPT_LENGTHS = (5, 13, 9)
 MAX_NEW = 40
+# The draft cache of every DFlash run here: the engine's own ``cache_slots`` for prompts of up to 16 tokens, so
+# that the random-draft, training-feature and trained-draft runs of a family share one compiled program.
+SLOTS = 16 + MAX_NEW + BLOCK
+# The trained draft: rows of the target's own greedy continuations (3 start tokens + MAX_NEW), taken in batches
+# of len(PROMPT_LENGTHS) rows (the fixture's compiled baseline), and optimizer steps. The hybrids' train step
+# is slow on XLA:CPU (the chunked Gated DeltaNet form over 43 tokens, ~1 s a step), so 6 rows and 60 steps
+# (16 rows and 100 steps before; measured trained tau 5.7 to 6.9 over the five families, untrained ~1.0); the
+# bar of the test is unchanged.
+TRAIN_ROWS = 6
+TRAIN_STEPS = 60
 
 
 FAMILIES = sorted(MOE_FAMILIES) + sorted(HYBRID_FAMILIES)
@@ -47,9 +57,9 @@ def setup(request):
 
 
 def dflash(tc, tp, dc, dp, prompts, settings, seed=0):
+    assert max(map(len, prompts)) <= 16 and settings.max_new_tokens <= MAX_NEW  # SLOTS holds them
     prop = DFlashProposer(dc, BLOCK)
-    slots = max(map(len, prompts)) + settings.max_new_tokens + BLOCK
-    state = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), len(prompts), slots)
+    state = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), len(prompts), SLOTS)
     return generate(tc, tp, prompts, prop, state, settings, seed=seed)
 
 
@@ -87,17 +97,30 @@ def test_proposals_equal_the_draft_on_training_features(setup):
 
     out = dflash(tc, tp, dc, dp, prompts, settings)
     shared = shared_head(tp, tc.tie_word_embeddings)
-    for b, prompt in enumerate(prompts):
-        sequence = prompt + out.tokens[b]
-        features = TargetModel(tc).apply({"params": tp}, jnp.asarray([sequence]), jnp.arange(len(sequence))[None],
-                                         feature_layers=dc.target_layer_ids, skip_logits=True).features
-        offsets = np.cumsum([0] + out.accept_lengths[b])
-        for r in range(min(3, len(out.accept_lengths[b]))):  # 3 rounds a row: one compile per context length
-            anchor = len(prompt) + offsets[r]
-            left = min(BLOCK, MAX_NEW - (offsets[r] + 1) + 1)  # the block shrinks near max_new_tokens
-            logits = draft_logits(dc, dp, shared, features[:, :anchor], jnp.asarray([sequence[anchor]]), left)
-            np.testing.assert_array_equal(out.drafts[b][r][: left - 1], np.asarray(jnp.argmax(logits[0], -1)),
-                                          err_msg=f"row {b} round {r}")
+    sequences = [prompt + tokens for prompt, tokens in zip(prompts, out.tokens)]
+    # All rows in one forward, right-padded: the target is causal, so a row's features do not see its padding.
+    width = max(map(len, sequences))
+    padded = np.zeros((len(sequences), width), np.int32)
+    for b, sequence in enumerate(sequences):
+        padded[b, : len(sequence)] = sequence
+    features = TargetModel(tc).apply({"params": tp}, jnp.asarray(padded),
+                                     jnp.broadcast_to(jnp.arange(width), padded.shape),
+                                     feature_layers=dc.target_layer_ids, skip_logits=True).features
+    # Each row's rounds by the position of their anchor; the checked rounds are those of 3 anchor positions
+    # that every row has (3 rounds a row, as many as before; the random draft accepts about one token a round,
+    # so the rows' anchors are nearly consecutive) and whose block is whole (not shrunk near max_new_tokens):
+    # one batched draft call, and one compile, per context length, shared by the hybrid families.
+    rounds = []
+    for prompt, accepted in zip(prompts, out.accept_lengths):
+        offsets = np.cumsum([0] + accepted)[: len(accepted)]
+        rounds.append({len(prompt) + int(o): r for r, o in enumerate(offsets) if o + BLOCK <= MAX_NEW})
+    anchors = sorted(set.intersection(*map(set, rounds)))[:3]
+    assert len(anchors) == 3, rounds
+    for anchor in anchors:
+        logits = draft_logits(dc, dp, shared, features[:, :anchor], jnp.asarray(padded[:, anchor]), BLOCK)
+        for b, row in enumerate(rounds):
+            np.testing.assert_array_equal(out.drafts[b][row[anchor]], np.asarray(jnp.argmax(logits[b], -1)),
+                                          err_msg=f"row {b} round {row[anchor]}")
 
 
 def test_planted_acceptance_patterns_are_lossless(setup):
@@ -116,29 +139,32 @@ def test_planted_acceptance_patterns_are_lossless(setup):
 def test_a_trained_draft_accepts_well_above_one_and_stays_lossless(setup):
     """A short training run on the target's own greedy continuations (the paper's recipe: the trainer's
     jitted step) lifts tau from about 1 to well above it; DFlash with that draft equals plain decoding."""
-    family, tc, tp, dc, dp, *_ = setup
+    family, tc, tp, dc, dp, prompts, settings, _ = setup
     rng = np.random.default_rng(2)
-    starts = [rng.integers(0, tc.vocab_size - 1, 3).tolist() for _ in range(16)]
-    gen = generate(tc, tp, starts, NoProposer(), NoProposer().init(), DecodeSettings(max_new_tokens=37)).tokens
+    starts = [rng.integers(0, tc.vocab_size - 1, 3).tolist() for _ in range(TRAIN_ROWS)]
+    n = len(prompts)  # the fixture's batch and settings: its compiled baseline serves
+    gen = [g for i in range(0, TRAIN_ROWS, n)
+           for g in generate(tc, tp, starts[i:i + n], NoProposer(), NoProposer().init(), settings).tokens]
     tokens = np.asarray([s + g for s, g in zip(starts, gen)], np.int32)
     loss_mask = np.zeros(tokens.shape, bool)
     loss_mask[:, 3:] = True
     data = TokenizedData.from_padded(tokens, loss_mask, np.full(len(tokens), tokens.shape[1], np.int32))
     batch = {k: jnp.asarray(v) for k, v in data.padded_rows().items()}
     cfg = StepConfig(feature_layers=dc.target_layer_ids, **{**STEP_KW, "mask_token_id": dc.mask_token_id})
-    optimizer, _ = make_optimizer(5e-3, total_steps=100, warmup_ratio=0.05)
+    optimizer, _ = make_optimizer(5e-3, total_steps=TRAIN_STEPS, warmup_ratio=0.05)
     step = jax.jit(make_train_step(TargetModel(tc), DraftModel(dc), cfg, optimizer))
     state = init_train_state(dp, optimizer, seed=0)
-    for _ in range(100):
+    for _ in range(TRAIN_STEPS):
         state, metrics = step(state, tp, batch)
-    # Rows of the training set: the point is real, partial acceptance through the MoE target's caches.
-    rows, new = starts[:4], DecodeSettings(max_new_tokens=37)
-    out = dflash(tc, tp, dc, state.params, rows, new)
-    before = dflash(tc, tp, dc, dp, rows, new)
+    # Rows of the training set: the point is real, partial acceptance through the MoE target's caches. Decoded
+    # with the fixture's batch and settings: the program of test_random_draft_is_lossless serves.
+    rows = starts[:n]
+    out = dflash(tc, tp, dc, state.params, rows, settings)
+    before = dflash(tc, tp, dc, dp, rows, settings)
     tau = np.mean([np.mean(a) for a in out.accept_lengths])
     tau0 = np.mean([np.mean(a) for a in before.accept_lengths])
     print(f"{family}: tau untrained {tau0:.2f}, trained {tau:.2f}, final loss {float(metrics['loss']):.3f}")
-    assert out.tokens == gen[:4] == before.tokens
+    assert out.tokens == gen[:n] == before.tokens
     assert tau >= 2.0 and tau > tau0 + 0.8
     assert any(1 < a < BLOCK for row in out.accept_lengths for a in row)  # partial acceptance happened
 
@@ -147,7 +173,7 @@ def test_a_trained_draft_accepts_well_above_one_and_stays_lossless(setup):
 def test_sampling_follows_the_target_distribution(family):
     """DFlash sampling with a random draft on each family's target (experts; gpt-oss: sinks, window) draws 3-token
     continuations from exactly the target's distribution: Pearson's chi-square over all 8^3 sequences,
-    p > 1e-3 (the procedure and its control of tests/test_engine_sampling.py)."""
+    SAMPLES = 4000 draws, p > 1e-3 (the procedure, sample count and control of tests/test_engine_sampling.py)."""
     from test_engine_sampling import NEW, PROMPT, SAMPLES, VOCAB, chi_square_p, exact_distribution
 
     tc, tp = tiny_moe_target(family, seed=3, vocab=VOCAB, scale=0.25)
@@ -155,7 +181,13 @@ def test_sampling_follows_the_target_distribution(family):
     cfg = SamplingConfig(1.0)
     prop = DFlashProposer(dc, 4)
     state = prop.init(dp, shared_head(tp, False), SAMPLES, 16 + NEW + 4)
-    out = generate(tc, tp, [PROMPT] * SAMPLES, prop, state, DecodeSettings(max_new_tokens=NEW, sampling=cfg),
-                   seed=11)
+    # Hybrids: the prompt is prefilled in chunks of the block (4 tokens, the Gated DeltaNet layers' block form).
+    # The default one-chunk prefill pads the 16-wide prompts to the 64-token chunked form, whose triangular
+    # solve over 4000 rows x 4 heads takes 25 s to minutes on XLA:CPU (twice: warm-up, then the run); that
+    # prefill is checked by the greedy tests of these families above. What is tested here (the rounds'
+    # sampling) is the same, and the chunked prefill of the hybrids gets checked too.
+    chunks = {"prefill_chunk": 4} if tc.linear_layers else {}
+    out = generate(tc, tp, [PROMPT] * SAMPLES, prop, state,
+                   DecodeSettings(max_new_tokens=NEW, sampling=cfg, **chunks), seed=11)
     samples = [tuple(t) for t in out.tokens]
     assert chi_square_p(samples, exact_distribution(tc, tp, cfg)) > 1e-3
