@@ -24,6 +24,7 @@ from dflash_jax.engine.generate import DecodeSettings, generate  # noqa: E402
 from dflash_jax.engine.proposers import OracleProposer  # noqa: E402
 from dflash_jax.models.draft import DraftModel  # noqa: E402
 from dflash_jax.models.target import TargetModel  # noqa: E402
+from dflash_jax.precision import with_precision_policy  # noqa: E402
 from dflash_jax.training.step import (  # noqa: E402
     StepConfig, accumulated_gradients, init_train_state, make_optimizer, make_train_step,
 )
@@ -77,11 +78,17 @@ def train_run(family, spec):
         state_sh = sharding.tree_shardings(state, mesh)
         state = jax.device_put(state, state_sh)
         batch = sharding.global_batch_from_local(batch, mesh, 8)
-        key = jax.random.fold_in(state.key, state.step)
-        grads, _ = jax.jit(lambda p, t, b: accumulated_gradients(p, t, b, key, target, draft, cfg))(
-            state.params, tp, batch)
-        new_state, metrics = jax.jit(make_train_step(target, draft, cfg, optimizer),
-                                     out_shardings=(state_sh, None))(state, tp, batch)
+        step = make_train_step(target, draft, cfg, optimizer)
+
+        def step_and_gradients(state, tp, batch):
+            # The step's own gradients (its key, under its precision policy) beside the step itself: one program,
+            # one compile per mesh instead of two (measured 19-27 s -> 15-21 s a mesh on XLA:CPU).
+            key = jax.random.fold_in(state.key, state.step)
+            grads, _ = accumulated_gradients(state.params, tp, batch, key, target, draft, cfg)
+            return grads, *step(state, tp, batch)
+
+        grads, new_state, metrics = jax.jit(with_precision_policy(step_and_gradients, draft.dtype),
+                                            out_shardings=(None, state_sh, None))(state, tp, batch)
         expert_specs = sorted({str(x.sharding.spec) for path, x in jax.tree_util.tree_leaves_with_path(tp)
                                if "experts" in jax.tree_util.keystr(path)})
     return float(metrics["loss"]), jax.device_get(grads), jax.device_get(new_state.params), expert_specs
