@@ -2,15 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,32 +106,3 @@ def planted_schedule(prompts, continuations, schedules, block: int, width: int):
                 errors[b, start + length] = True
             start += length
     return reference, errors
-
-
-def run_checks(script: Path, groups: Sequence[Sequence[str]], timeout: float = 900) -> list[dict]:
-    """Run the check ``script`` (tests/sharded_*_check.py: 8 fake devices, a count fixed when JAX starts, so a
-    process of its own) once per group of arguments, the processes side by side: they are bound by XLA's
-    compiles, single-threaded, so two of them use both cores of a 2-core machine. Returns the JSON object each
-    printed last; a failed process fails the caller with the end of its stderr."""
-    env = {**os.environ, "PYTHONPATH": str(Path(script).parent.parent)}
-    deadline = time.monotonic() + timeout
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = []
-        try:
-            for i, args in enumerate(groups):
-                with open(Path(tmp) / f"{i}.out", "w") as out, open(Path(tmp) / f"{i}.err", "w") as err:
-                    procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=out, stderr=err,
-                                                  text=True, env=env))
-            for proc in procs:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        finally:
-            for proc in procs:  # only on a timeout or an error here: the others are done
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        results = []
-        for i, (proc, args) in enumerate(zip(procs, groups)):
-            stderr = (Path(tmp) / f"{i}.err").read_text()
-            assert proc.returncode == 0, f"{Path(script).name} {' '.join(args)}: {stderr[-3000:]}"
-            results.append(json.loads((Path(tmp) / f"{i}.out").read_text().strip().splitlines()[-1]))
-    return results

@@ -1,13 +1,7 @@
 """Run in a subprocess with 8 fake CPU devices (tests/test_engine_sharded.py): the same prompts through the
 engine on one device and sharded over meshes of 8 devices, for DFlash and the autoregressive baseline,
 greedy (every mesh) and sampling with a fixed seed (data=4,tensor=2). Prints one JSON object: tokens and
-acceptance lengths per run, and the shardings the params and caches got.
-
-The arguments name the parts to run (all of them without any): meshes (``one``, ``tensor2_data4``,
-``tensor8``, ``fsdp2_tensor2_data2``: greedy, sampling where checked, planted acceptance), ``short`` (the Pallas
-kernel on data=4,tensor=2 and the loop on one device, 12 tokens) and ``gathers`` (the Pallas kernel's compiled
-program under a mesh). The test runs two such processes side by side (compiling is single-threaded) and
-merges their objects."""
+acceptance lengths per run, and the shardings the params and caches got."""
 
 import os
 import sys
@@ -30,39 +24,14 @@ from dflash_jax.sharding import make_mesh  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from engine_tiny import tiny_draft, tiny_target  # noqa: E402
 
-MESHES = {"one": None, "tensor2_data4": "data=4,tensor=2", "tensor8": "tensor=8",
-          "fsdp2_tensor2_data2": "data=2,fsdp=2,tensor=2"}
-PARTS = (*MESHES, "short", "gathers")
-parts = sys.argv[1:] or list(PARTS)
-assert set(parts) <= set(PARTS), parts
-
 tc, tp = tiny_target()
 dc, dp = tiny_draft(block=8)
 rng = np.random.default_rng(0)
 prompts = [rng.integers(0, tc.vocab_size - 1, n).tolist() for n in (5, 13, 9, 21)]
-# A random draft accepts one token per round; an oracle proposing the greedy continuation with an error at
-# every 3rd position makes rounds of 1..3 tokens, so acceptance lengths are really compared.
-errors = (np.arange(64)[None] % 3 == 0) & (rng.random((len(prompts), 64)) < 0.7)
 runs = {}
 specs = {}
-reference = None
-
-
-def oracle_reference():
-    """The prompts and their greedy continuation on one device (the baseline, run here when the ``one`` part
-    is not), by position."""
-    if "one/greedy/ar" in runs:
-        greedy = runs["one/greedy/ar"]["tokens"]
-    else:
-        greedy = Decoder(tc, tp, dc, dp, 8).generate(prompts, 24, seed=3, baseline=True).tokens
-    reference = np.zeros((len(prompts), 64), np.int32)
-    for i, (p, g) in enumerate(zip(prompts, greedy)):
-        reference[i, : len(p) + len(g)] = p + g
-    return reference
-
-
-for name in (n for n in MESHES if n in parts):
-    spec = MESHES[name]
+for name, spec in (("one", None), ("tensor2_data4", "data=4,tensor=2"), ("tensor8", "tensor=8"),
+                   ("fsdp2_tensor2_data2", "data=2,fsdp=2,tensor=2")):
     mesh = make_mesh(spec) if spec else None
     decoder = Decoder(tc, tp, dc, dp, 8, mesh=mesh)
     if mesh is not None:
@@ -77,29 +46,32 @@ for name in (n for n in MESHES if n in parts):
             assert mode != "greedy" or shown[-1] == r.tokens
             runs[f"{name}/{mode}/{'ar' if baseline else 'dflash'}"] = {"tokens": r.tokens,
                                                                        "accept": r.accept_lengths}
-    if reference is None:
-        reference = oracle_reference()
+    # A random draft accepts one token per round; an oracle proposing the greedy continuation with an error
+    # at every 3rd position makes rounds of 1..3 tokens, so acceptance lengths are really compared.
+    if name == "one":
+        greedy = runs["one/greedy/ar"]["tokens"]
+        reference = np.zeros((len(prompts), 64), np.int32)
+        for i, (p, g) in enumerate(zip(prompts, greedy)):
+            reference[i, : len(p) + len(g)] = p + g
+        errors = (np.arange(64)[None] % 3 == 0) & (rng.random((len(prompts), 64)) < 0.7)
     oracle = OracleProposer(8, tc.vocab_size)
     r = generate(tc, decoder.target_params, prompts, oracle, oracle.init(reference, errors),
                  DecodeSettings(24, mesh=mesh))
     runs[f"{name}/greedy/oracle"] = {"tokens": r.tokens, "accept": r.accept_lengths}
-# The Pallas attention kernel (interpreted, so slow: 12 tokens) on each device's shard vs the loop on one.
-if "short" in parts:
-    for name, kernel in (("one", "loop"), ("tensor2_data4", "pallas")):
-        mesh = make_mesh(MESHES[name]) if MESHES[name] else None
+    # The Pallas attention kernel (interpreted, so slow: 12 tokens) on each device's shard vs the loop on one.
+    if name in ("one", "tensor2_data4"):
+        kernel = "loop" if name == "one" else "pallas"
         r = Decoder(tc, tp, dc, dp, 8, mesh=mesh, attention=kernel).generate(prompts, 12)
         runs[f"{name}/short/{kernel}"] = {"tokens": r.tokens, "accept": r.accept_lengths}
 # The Pallas kernel under a mesh runs per shard: its compiled program moves no cache between devices (without
 # the mesh, XLA gathers the operands of the pallas_call onto every device).
-gathers = None
-if "gathers" in parts:
-    mesh = make_mesh("data=4,tensor=2")
-    q = jax.device_put(np.ones((4, 8, 4, 16), np.float32), NamedSharding(mesh, P("data", None, "tensor", None)))
-    kv = jax.device_put(np.ones((4, 2, 40, 16), np.float32), NamedSharding(mesh, P("data", "tensor", None, None)))
-    lengths = jax.device_put(np.array([30, 3, 0, 9], np.int32), NamedSharding(mesh, P("data")))
-    gathers = {}
-    for label, context_mesh in (("per_shard", mesh), ("no_mesh", None)):
-        with attention_kernel("pallas", context_mesh):
-            fn = jax.jit(lambda q, k, v, n: fused_attention(q, [Segment(k, v, n)], "pallas"))
-            gathers[label] = fn.lower(q, kv, kv, lengths).compile().as_text().count("all-gather")
+mesh = make_mesh("data=4,tensor=2")
+q = jax.device_put(np.ones((4, 8, 4, 16), np.float32), NamedSharding(mesh, P("data", None, "tensor", None)))
+kv = jax.device_put(np.ones((4, 2, 40, 16), np.float32), NamedSharding(mesh, P("data", "tensor", None, None)))
+lengths = jax.device_put(np.array([30, 3, 0, 9], np.int32), NamedSharding(mesh, P("data")))
+gathers = {}
+for label, context_mesh in (("per_shard", mesh), ("no_mesh", None)):
+    with attention_kernel("pallas", context_mesh):
+        fn = jax.jit(lambda q, k, v, n: fused_attention(q, [Segment(k, v, n)], "pallas"))
+        gathers[label] = fn.lower(q, kv, kv, lengths).compile().as_text().count("all-gather")
 print(json.dumps({"devices": jax.device_count(), "runs": runs, "param_specs": specs, "pallas_gathers": gathers}))
