@@ -101,7 +101,9 @@ def test_missing_selector_tensor_is_named(tmp_path):
 
     del weights["candidate_selector.successor_codebook"]
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(Exception, match="candidate_selector.successor_codebook"):
+    from dflash_jax.checkpoints.safetensors_io import CheckpointError
+
+    with pytest.raises(CheckpointError, match="candidate_selector.successor_codebook"):
         load_draft(tmp_path)
 
 

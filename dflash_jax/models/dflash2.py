@@ -155,13 +155,12 @@ def select_chain(selector: CandidateSelector, logits: jax.Array, hidden: jax.Arr
     def step(predecessor, xs):
         u, c, p, k = xs
         s = pair_scores(*codebooks, u, c, p, predecessor)
-        if sampling:
-            q = jax.nn.softmax(s / temperature, axis=-1)
-            index = jax.random.categorical(k, s / temperature, axis=-1)
-        else:
-            q, index = jnp.zeros_like(s), jnp.argmax(s, axis=-1)
+        if not sampling:  # greedy rounds carry no distributions through the scan
+            token = jnp.take_along_axis(c, jnp.argmax(s, axis=-1)[:, None], axis=1)[:, 0]
+            return token, (token, None)
+        index = jax.random.categorical(k, s / temperature, axis=-1)
         token = jnp.take_along_axis(c, index[:, None], axis=1)[:, 0]
-        return token, (token, q)
+        return token, (token, jax.nn.softmax(s / temperature, axis=-1))
 
     xs = (jnp.moveaxis(unary, 1, 0), jnp.moveaxis(candidates, 1, 0), jnp.moveaxis(projected, 1, 0), keys)
     _, (tokens, q) = jax.lax.scan(step, anchor.astype(jnp.int32), xs)
