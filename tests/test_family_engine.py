@@ -34,11 +34,10 @@ MAX_NEW = 40
 # that the random-draft, training-feature and trained-draft runs of a family share one compiled program.
 SLOTS = 16 + MAX_NEW + BLOCK
 # The trained draft: rows of the target's own greedy continuations (3 start tokens + MAX_NEW), taken in batches
-# of len(PROMPT_LENGTHS) rows (the fixture's compiled baseline), and optimizer steps. The hybrids' train step
-# is slow on XLA:CPU: the target's chunked Gated DeltaNet form over 43 tokens costs ~0.13 s a row (its
-# triangular solve), ~0.8 s a step at 6 rows. So 3 rows, the ones decoded after training (16 rows and 100 steps
-# before, 4 of them decoded: the check was one of rows of the training set then too), and 60 steps: measured
-# trained tau 5.9 to 7.8 over the five families (untrained ~1.0). The bar of the test is unchanged.
+# of len(PROMPT_LENGTHS) rows (the fixture's compiled baseline), and optimizer steps: 3 rows, the ones decoded
+# after training (chosen when XLA:CPU's native triangular solve made the hybrids' step ~0.8 s at 6 rows; the
+# row-loop solve of gated_deltanet.unit_lower_solve has since cut that ~200x), and 60 steps: measured trained
+# tau 5.9 to 7.8 over the five families (untrained ~1.0).
 TRAIN_ROWS = 3
 TRAIN_STEPS = 60
 
@@ -182,11 +181,9 @@ def test_sampling_follows_the_target_distribution(family):
     cfg = SamplingConfig(1.0)
     prop = DFlashProposer(dc, 4)
     state = prop.init(dp, shared_head(tp, False), SAMPLES, 16 + NEW + 4)
-    # Hybrids: the prompt is prefilled in chunks of the block (4 tokens, the Gated DeltaNet layers' block form).
-    # The default one-chunk prefill pads the 16-wide prompts to the 64-token chunked form, whose triangular
-    # solve over 4000 rows x 4 heads takes 25 s to minutes on XLA:CPU (twice: warm-up, then the run); that
-    # prefill is checked by the greedy tests of these families above. What is tested here (the rounds'
-    # sampling) is the same, and the chunked prefill of the hybrids gets checked too.
+    # Hybrids: the prompt is prefilled in chunks of the block (4 tokens, the Gated DeltaNet layers' block form),
+    # so that the chunked prefill of the hybrids gets checked here too; the default one-chunk prefill (the
+    # 64-token chunked form) is checked by the greedy tests of these families above.
     chunks = {"prefill_chunk": 4} if tc.linear_layers else {}
     out = generate(tc, tp, [PROMPT] * SAMPLES, prop, state,
                    DecodeSettings(max_new_tokens=NEW, sampling=cfg, **chunks), seed=11)
