@@ -34,7 +34,7 @@ from train_tiny import STEP_KW, tiny_tokenized  # noqa: E402
 FAMILIES = ("qwen3_moe", "gpt_oss", "qwen3_next")
 ENGINE_MESHES = (None, "data=2,tensor=2,expert=2")
 TRAIN_MESHES = (None, "fsdp=2,tensor=2,expert=2")
-HYBRID_TRAIN_MESHES = ("fsdp=8",)
+HYBRID_TRAIN_MESHES = ("fsdp=8", "fsdp=2,tensor=2,expert=2")
 
 
 def engine_runs(family):
@@ -131,9 +131,8 @@ out = {"devices": jax.device_count(), "sharded_load": sharded_loads()}
 for family in FAMILIES:
     runs, specs = engine_runs(family)
     train = {}
-    # The train step: on gpt-oss (the richer MoE family) and on the hybrid, the latter on fsdp=8 only: with a
-    # tensor or expert axis its sharded step stalls in XLA:CPU's runtime on 8 fake devices (all threads idle,
-    # the call never returns; tests/test_moe_sharded.py).
+    # The train step: on gpt-oss (the richer MoE family) and on the hybrid, the latter also with its batch and
+    # weights split 8 ways (fsdp=8).
     one = train_run(family, None) if family != "qwen3_moe" else None
     for spec in (TRAIN_MESHES[1:] if family == "gpt_oss" else HYBRID_TRAIN_MESHES) if one else ():
         other = train_run(family, spec)

@@ -5,10 +5,9 @@ MLPs over ``tensor``, rows over ``data``/``fsdp``) give the same tokens and acce
 1e-5 absolute (measured 2.3e-6 on gpt-oss, whose sinks and experts give larger activations; 5e-7 on
 Qwen3-MoE), updated params 1e-5 absolute (the other tolerances of tests/test_train_step.py); a gpt-oss
 checkpoint loaded straight into the mesh's shardings equals a one-device load exactly (and a Qwen3-Next one).
-The hybrid's train step is checked on fsdp=8 (batch and weights split 8 ways) only: with a tensor or expert
-axis (tensor=8, expert=8, fsdp=2,tensor=2,expert=2) it stalls inside XLA:CPU's runtime on 8 fake CPU devices
-(compiled, then every thread idle, never returns; the same step on one device and on fsdp=8, and those meshes'
-engine, run fine; the dense hybrid stalls the same way), so those meshes are left for a real machine. Runs
+The hybrid's train step is checked on fsdp=2,tensor=2,expert=2 and on fsdp=8 (batch and weights split 8
+ways). (Those with a tensor or expert axis used to stall on XLA:CPU inside its native triangular solve, which
+the Gated DeltaNet layers no longer use on CPU: ``gated_deltanet.unit_lower_solve``.) Runs
 tests/sharded_moe_check.py in a subprocess (the device count is fixed when JAX starts)."""
 
 import json
