@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.models.dflash2 import identity_conv_init
+
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) -> jax.Array:
@@ -51,8 +53,8 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
             out.append(jnp.asarray(np.full(shape, value, np.float32), dtype))
         elif name == "bias":
             out.append(jnp.asarray(np.zeros(shape, np.float32), dtype))
-        elif name == "base_kernel":  # DFlash2 block convolutions [2, K, H] start as the identity (models/dflash2)
-            out.append(jnp.asarray(np.zeros(shape, np.float32), dtype).at[:, 0, :].set(1.0))
+        elif name == "base_kernel":  # DFlash2 block convolutions [2, K, H] start as the identity
+            out.append(identity_conv_init(None, shape, dtype))
         else:
             # Kernels are [in, out]; stacked experts [E, in, out] and sinks [heads] follow the same rule.
             fan_in = shape[-2] if len(shape) >= 2 else shape[0]
