@@ -95,8 +95,8 @@ class CandidateSelector(nn.Module):
 
     def scores(self, unary: jax.Array, candidates: jax.Array, projected: jax.Array,
                predecessor: jax.Array) -> jax.Array:
-        return pair_scores(self.predecessor_codebook, self.successor_codebook, unary, candidates, projected,
-                           predecessor)
+        return pair_scores(self.predecessor_codebook, successor_codes(self.successor_codebook, candidates), unary,
+                           projected, predecessor)
 
     def teacher_forced(self, logits: jax.Array, hidden: jax.Array, predecessors: jax.Array,
                        labels: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -121,13 +121,19 @@ class CandidateSelector(nn.Module):
         return ce, picked == labels
 
 
-def pair_scores(predecessor_codebook: jax.Array, successor_codebook: jax.Array, unary: jax.Array,
-                candidates: jax.Array, projected: jax.Array, predecessor: jax.Array) -> jax.Array:
+def successor_codes(successor_codebook: jax.Array, candidates: jax.Array) -> jax.Array:
+    """The candidates' successor codes ``[..., C, r]`` in float32 (token ids are in range by construction:
+    ``mode="clip"`` spares the out-of-range fill that ``take`` would otherwise compute and select)."""
+    return jnp.take(successor_codebook, candidates, axis=0, mode="clip").astype(jnp.float32)
+
+
+def pair_scores(predecessor_codebook: jax.Array, successors: jax.Array, unary: jax.Array, projected: jax.Array,
+                predecessor: jax.Array) -> jax.Array:
     """``unary + sum_r pred_code[predecessor]_r * projected_r * succ_code[candidate]_r`` in float32.
-    ``unary, candidates [..., C]``; ``projected [..., r]``; ``predecessor [...]``."""
-    pred = jnp.take(predecessor_codebook, predecessor, axis=0).astype(jnp.float32)
-    succ = jnp.take(successor_codebook, candidates, axis=0).astype(jnp.float32)
-    pair = jnp.einsum("...r,...cr->...c", pred * projected.astype(jnp.float32), succ)
+    ``unary [..., C]``; ``successors [..., C, r]`` (``successor_codes``); ``projected [..., r]``;
+    ``predecessor [...]``."""
+    pred = jnp.take(predecessor_codebook, predecessor, axis=0, mode="clip").astype(jnp.float32)
+    pair = jnp.einsum("...r,...cr->...c", pred * projected.astype(jnp.float32), successors)
     return unary.astype(jnp.float32) + pair
 
 
@@ -148,13 +154,17 @@ def select_chain(selector: CandidateSelector, logits: jax.Array, hidden: jax.Arr
     """
     unary, candidates = top_candidates(logits, selector.top_k)
     projected = selector.project(hidden)
-    codebooks = selector.predecessor_codebook, selector.successor_codebook  # plain arrays inside the scan
+    # Only the predecessor depends on the chain: the candidates' successor codes are gathered once for the
+    # whole block (in the scan's position-major order), so a step of the scan reads one codebook row.
+    steps = lambda x: jnp.moveaxis(x, 1, 0)  # noqa: E731 ([B, K, ...] -> [K, B, ...])
+    successors = successor_codes(selector.successor_codebook, steps(candidates))
+    predecessor_codebook = selector.predecessor_codebook  # a plain array inside the scan
     sampling = temperature > 0
     keys = jax.random.split(key, logits.shape[1]) if sampling else jnp.zeros((logits.shape[1], 2), jnp.uint32)
 
     def step(predecessor, xs):
-        u, c, p, k = xs
-        s = pair_scores(*codebooks, u, c, p, predecessor)
+        u, c, succ, p, k = xs
+        s = pair_scores(predecessor_codebook, succ, u, p, predecessor)
         if not sampling:  # greedy rounds carry no distributions through the scan
             token = jnp.take_along_axis(c, jnp.argmax(s, axis=-1)[:, None], axis=1)[:, 0]
             return token, (token, None)
@@ -162,7 +172,7 @@ def select_chain(selector: CandidateSelector, logits: jax.Array, hidden: jax.Arr
         token = jnp.take_along_axis(c, index[:, None], axis=1)[:, 0]
         return token, (token, jax.nn.softmax(s / temperature, axis=-1))
 
-    xs = (jnp.moveaxis(unary, 1, 0), jnp.moveaxis(candidates, 1, 0), jnp.moveaxis(projected, 1, 0), keys)
+    xs = (steps(unary), steps(candidates), successors, steps(projected), keys)
     _, (tokens, q) = jax.lax.scan(step, anchor.astype(jnp.int32), xs)
     tokens = jnp.moveaxis(tokens, 0, 1)
     if not sampling:
