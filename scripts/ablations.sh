@@ -13,19 +13,7 @@ TARGET=dflash_jax/assets/stories260k/target
 HELDOUT=data/stories260k/heldout.jsonl
 mkdir -p "$OUT"
 
-train() {  # NAME [--set ...]: one training run
-  local name=$1; shift
-  [ -f "$OUT/$name/export/draft/config.json" ] && return
-  python -m train fit --config "$CONFIG" --set "output.dir=$OUT/$name" --set "train.max_steps=$STEPS" \
-    --set output.eval_every=0 --set data.eval_prompts=null --no-progress "$@" > "$OUT/$name.log" 2>&1
-}
-
-bench() {  # NAME DRAFT_DIR BLOCK: greedy tau on the first 64 held-out openings
-  local name=$1 draft=$2 block=$3
-  [ -f "$OUT/bench-$name/results.json" ] && return
-  python -m infer bench --target "$TARGET" --ckpt "$draft" --block-size "$block" --prompt-file "$HELDOUT" \
-    --max-samples 64 --max-new-tokens 128 --no-chat-template --out "$OUT/bench-$name" > "$OUT/bench-$name.log" 2>&1
-}
+source "$(dirname "$0")/ablation_lib.sh"
 
 row() {  # NAME BLOCK [--set ...]
   local name=$1 block=$2; shift 2
@@ -40,7 +28,7 @@ row uniform-loss 16 --set train.uniform_loss=true
 row layers1 16 --set draft.num_layers=1
 row layers3 16 --set draft.num_layers=3
 row features1 16 --set "draft.target_layer_ids=[2]"
-row features3 16 --set "draft.target_layer_ids=[0, 2, 4]"
+row features3 16 --set "draft.target_layer_ids=[0, 2, 4]" --set draft.allow_last_layer=true
 row b8 8 --set draft.block_size=8
 bench base-at8 "$OUT/base/export/draft" 8
 # The block-8 draft at 16: the same weights with block_size 16 in its config (positions 8-15 untrained).
@@ -56,10 +44,4 @@ fi
 bench b8-at16 "$OUT/b8-as16" 16
 row base-seed1 16 --set train.seed=1  # run-to-run noise of the base row
 
-python - "$OUT" <<'PY'
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-for bench in sorted(out.glob("bench-*/results.json")):
-    s = json.loads(bench.read_text())["summary"]["heldout"]
-    print(f"{bench.parent.name[6:]:18s} tau {s['tau']:.2f}  identical {s['identical']:.0%}")
-PY
+summary
