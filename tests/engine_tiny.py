@@ -10,6 +10,7 @@ from dflash_jax.checkpoints.hf_target import abstract_target_params
 from dflash_jax.checkpoints.official_draft import init_draft_params
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.target import TargetModel
 from draft_tiny import HIDDEN, TARGET_LAYERS, VOCAB, official_config
 
 
@@ -106,3 +107,14 @@ def planted_schedule(prompts, continuations, schedules, block: int, width: int):
                 errors[b, start + length] = True
             start += length
     return reference, errors
+
+
+def padded_features(tc, tp, sequences, layer_ids):
+    """The target's features of every token sequence in ONE forward (op by op on XLA:CPU, so one call rather
+    than one per row), rows right-padded: the target is causal, so a row's features do not see its padding."""
+    width = max(map(len, sequences))
+    padded = np.zeros((len(sequences), width), np.int32)
+    for b, sequence in enumerate(sequences):
+        padded[b, : len(sequence)] = sequence
+    return TargetModel(tc).apply({"params": tp}, jnp.asarray(padded), jnp.broadcast_to(jnp.arange(width), padded.shape),
+                                 feature_layers=layer_ids, skip_logits=True).features

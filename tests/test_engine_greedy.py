@@ -15,7 +15,7 @@ from dflash_jax.engine.decoder import Decoder
 from dflash_jax.engine.generate import DecodeSettings, jitted_functions, generate
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
 from dflash_jax.models.draft import shared_head
-from engine_tiny import tiny_draft, tiny_target
+from engine_tiny import padded_features, tiny_draft, tiny_target
 
 BLOCK = 8
 PROMPT_LENGTHS = (5, 13, 9)
@@ -199,7 +199,6 @@ def test_draft_context_after_autoregressive_phases_equals_a_fresh_draft_forward(
     features of everything before its anchor (``draft_logits``, no caches): the context the engine files
     block by block, around the probes' own rounds, is exactly the verified text."""
     from dflash_jax.engine.proposers import draft_logits
-    from dflash_jax.models.target import TargetModel
 
     tc, tp, dc, dp, prompts, _, ar = long_setup
     prop = DFlashProposer(dc, BLOCK)
@@ -208,15 +207,7 @@ def test_draft_context_after_autoregressive_phases_equals_a_fresh_draft_forward(
     out = generate(tc, tp, prompts, prop, prop.init(dp, shared, len(prompts), 16 + LONG + BLOCK), s)
     check_widths(out, ar)
     sequences = [prompt + tokens for prompt, tokens in zip(prompts, out.tokens)]
-    # All rows in one forward (op by op, ~4 s a call on XLA:CPU), right-padded: the target is causal, so a
-    # row's features do not see its padding.
-    width = max(map(len, sequences))
-    padded = np.zeros((len(sequences), width), np.int32)
-    for b, sequence in enumerate(sequences):
-        padded[b, : len(sequence)] = sequence
-    all_features = TargetModel(tc).apply({"params": tp}, jnp.asarray(padded),
-                                         jnp.broadcast_to(jnp.arange(width), padded.shape),
-                                         feature_layers=dc.target_layer_ids, skip_logits=True).features
+    all_features = padded_features(tc, tp, sequences, dc.target_layer_ids)
     for b, (prompt, widths) in enumerate(zip(prompts, out.widths)):
         runs = runs_of(widths)
         assert [n for w, n in runs if w == 1][:3] == [BLOCK, 2 * BLOCK, 4 * BLOCK], runs

@@ -24,7 +24,7 @@ from dflash_jax.models.draft import DraftModel, shared_head
 from dflash_jax.models.experts import force_expert_path
 from dflash_jax.models.target import TargetModel
 from dflash_jax.training.step import StepConfig, init_train_state, make_optimizer, make_train_step
-from engine_tiny import HYBRID_FAMILIES, MOE_FAMILIES, planted_schedule, tiny_draft, tiny_moe_target
+from engine_tiny import HYBRID_FAMILIES, MOE_FAMILIES, padded_features, planted_schedule, tiny_draft, tiny_moe_target
 from train_tiny import STEP_KW
 
 BLOCK = 8
@@ -98,14 +98,7 @@ def test_proposals_equal_the_draft_on_training_features(setup):
     out = dflash(tc, tp, dc, dp, prompts, settings)
     shared = shared_head(tp, tc.tie_word_embeddings)
     sequences = [prompt + tokens for prompt, tokens in zip(prompts, out.tokens)]
-    # All rows in one forward, right-padded: the target is causal, so a row's features do not see its padding.
-    width = max(map(len, sequences))
-    padded = np.zeros((len(sequences), width), np.int32)
-    for b, sequence in enumerate(sequences):
-        padded[b, : len(sequence)] = sequence
-    features = TargetModel(tc).apply({"params": tp}, jnp.asarray(padded),
-                                     jnp.broadcast_to(jnp.arange(width), padded.shape),
-                                     feature_layers=dc.target_layer_ids, skip_logits=True).features
+    features = padded_features(tc, tp, sequences, dc.target_layer_ids)
     # Each row's rounds by the position of their anchor; the checked rounds are those of 3 anchor positions
     # that every row has (3 rounds a row, as many as before; the random draft accepts about one token a round,
     # so the rows' anchors are nearly consecutive) and whose block is whole (not shrunk near max_new_tokens):
@@ -117,7 +110,8 @@ def test_proposals_equal_the_draft_on_training_features(setup):
     anchors = sorted(set.intersection(*map(set, rounds)))[:3]
     assert len(anchors) == 3, rounds
     for anchor in anchors:
-        logits = draft_logits(dc, dp, shared, features[:, :anchor], jnp.asarray(padded[:, anchor]), BLOCK)
+        anchor_tokens = jnp.asarray([sequence[anchor] for sequence in sequences])
+        logits = draft_logits(dc, dp, shared, features[:, :anchor], anchor_tokens, BLOCK)
         for b, row in enumerate(rounds):
             np.testing.assert_array_equal(out.drafts[b][row[anchor]], np.asarray(jnp.argmax(logits[b], -1)),
                                           err_msg=f"row {b} round {row[anchor]}")
