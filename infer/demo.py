@@ -1,7 +1,7 @@
 """``python -m infer demo``: DFlash on a real model, offline, on any machine.
 
 The demo pair ships inside the package: llama2.c's stories260K (a real 260K-parameter LLaMA-architecture model
-by Andrej Karpathy, MIT licence) and the DFlash draft this project trained for it (configs/runs/
+by Andrej Karpathy, MIT licence) and the DFlash2 draft this project trained for it (configs/runs/
 stories260k-b8.yaml). The demo generates a story greedily with DFlash and with plain autoregressive decoding on
 the same engine, checks that the two outputs are identical, and reports tau (tokens committed per round) and
 the measured decode speedup.
@@ -15,7 +15,7 @@ the spread. A decode of 200 tokens lasts tens of milliseconds on a CPU, so pairi
 
 The speedup is tau / (round cost): the round cost is the time of a DFlash round (draft forward, verify of the
 block, accept and commit) in autoregressive steps, both measured in this run (decode time / rounds). On a CPU
-a round of block 8 costs about three AR steps, which caps the speedup well below tau; where a round costs
+a round of block 8 costs about 3.4 AR steps, which caps the speedup well below tau; where a round costs
 about one AR step (a GPU at batch 1, memory-bound), the same tau gives about tau x.
 """
 
@@ -100,7 +100,7 @@ def demo_main(args: argparse.Namespace) -> int:
         raise UserError(f"--repeats must be at least 1 (timed pairs of decodes), got {args.repeats}")
     if args.block_size is not None and args.block_size < 2:
         raise UserError(f"--block-size must be at least 2 (the anchor and one draft), got {args.block_size}")
-    print(f"target: stories260K (llama2.c, {DEMO_TARGET.name})\ndraft:  DFlash draft trained by dflash_jax "
+    print(f"target: stories260K (llama2.c, {DEMO_TARGET.name})\ndraft:  DFlash2 draft trained by dflash_jax "
           f"({DEMO_DRAFT.name})")
     decoder, tokenizer, stops = load_decoder(argparse.Namespace(
         target=str(DEMO_TARGET), ckpt=str(DEMO_DRAFT), tokenizer=None, dtype="float32", block_size=args.block_size))

@@ -334,3 +334,18 @@ def test_abstract_shapes_allocate_nothing():
     assert flatten(abstract_draft_params(huge_draft))[("fc", "kernel")].shape == (5 * 4096, 4096)
     small_target = dataclasses.replace(p.target, vocab_size=10**8, num_hidden_layers=1)
     assert flatten(abstract_target_params(small_target))[("lm_head", "kernel")].shape == (4096, 10**8)
+
+
+RUN_CONFIGS = sorted((CONFIG_DIR / "runs").glob("*.yaml"))
+# The ablation protocol's base (docs/ablations.md) trains the paper's recipe; every other shipped run config
+# names the ablation's winner, a DFlash2 draft.
+PAPER_RECIPE_RUNS = {"stories260k-b16.yaml"}
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.name)
+def test_shipped_run_configs_are_valid_and_name_their_draft_kind(path):
+    from dflash_jax.training.run_config import load_run_config
+
+    cfg = load_run_config(path)
+    expected = None if path.name in PAPER_RECIPE_RUNS else "dflash2"
+    assert cfg["draft"]["architecture"] == expected, path.name
