@@ -61,10 +61,12 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"linear_attn/conv1d/weight$", ("linear", None, None)),
     (r"linear_attn/(A_log|dt_bias)$", (None,)),
     # DFlash2 drafts (models/dflash2.py): the block convolutions' kernels per channel, the selector's
-    # codebooks over the vocabulary like the head; the low-rank factors are small and stay whole.
+    # codebooks over the vocabulary like the head and, being trained, over fsdp by their rank (left whole, a
+    # Qwen3-8B draft's two [151936, 256] codebooks and their Adam moments took 0.9 GB on every device of
+    # fsdp=8); the low-rank factors are small and stay whole.
     (r"_conv/base_kernel$", (None, None, "embed")),
     (r"_conv/kernel_projection/kernel$", ("embed", None)),
-    (r"candidate_selector/(predecessor|successor)_codebook$", ("vocab", None)),
+    (r"candidate_selector/(predecessor|successor)_codebook$", ("vocab", "embed")),
     (r"candidate_selector/hidden_projection/kernel$", ("embed", None)),
     (r"norm/weight$", ("norm",)),  # every RMSNorm (layer norms, q/k norms, final and hidden norms, DeltaNet's)
 )
