@@ -23,7 +23,10 @@ or --target DIR --ckpt DIR (real checkpoints). Prompts are --batch random token 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -32,13 +35,20 @@ from dflash_jax.models.attention_kernels import check_attention_kernel
 from dflash_jax.precision import resolve_dtype
 from dflash_jax.fileio import ensure_writable_dir, write_text_atomic
 from dflash_jax.evaluation.speed import (
-    PRESETS, SpeedSettings, format_report, preset_configs, preset_description, preset_models, run_speed,
+    PRESETS, SpeedSettings, dense_prefill_chunk, format_report, preset_configs, preset_description, preset_models,
+    run_speed,
 )
 from infer.cli import (
     Parser, UsageError, add_attention_arg, add_device_args, run_cli, seed_arg, setup_devices, widths_arg,
 )
 
 PROG = "python -m infer speed"
+# --low-memory: XLA:CPU's memory-minimising scheduler instead of the concurrency-optimised one (which starts
+# independent work early: every expert layer's transposed weight copy at once, 4 GiB for gpt-oss-20b's two
+# layers in one AR step), and no hoisting of loop-invariant work out of while loops (in bfloat16 it hoists the
+# float32 conversion of every weight out of the decode loop: a float32 copy of the models next to them).
+LOW_MEMORY_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",
+                        "--xla_disable_hlo_passes=while-loop-invariant-code-motion")
 
 
 def positive(name: str, minimum: int = 1):
@@ -88,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how mixture-of-experts layers compute (models/experts.py): every expert on every "
                              "token ('dense'), the routed (token, expert) pairs only ('grouped'), or by shape "
                              "('auto', the engine's choice; default)")
+    parser.add_argument("--low-memory", action="store_true",
+                        help="lower the peak memory on a CPU (for the real-width mixture-of-experts presets): "
+                             "XLA:CPU's memory-minimising scheduler instead of the concurrency-optimised one, no "
+                             "hoisting of loop-invariant work out of the decode loop (in bfloat16 it keeps a "
+                             "float32 copy of every weight), and mixture-of-experts prefills in chunks small "
+                             "enough for the dense expert path (prefill time is not a figure here). Sets "
+                             "XLA_FLAGS before JAX starts")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="parameter and compute dtype (default float32; on a CPU bfloat16 is about 6x slower, "
                              "use it on GPU/TPU)")
@@ -130,6 +147,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def use_low_memory_xla_flags() -> None:
+    """Add ``LOW_MEMORY_XLA_FLAGS`` to ``XLA_FLAGS`` (merged into an ``--xla_disable_hlo_passes`` already
+    there). XLA reads the variable once, when JAX starts its first backend, so this must come before."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise UsageError("--low-memory sets XLA_FLAGS, which XLA reads when JAX starts, and JAX has already "
+                         "started in this process; run python -m infer speed in a fresh process")
+    flags = os.environ.get("XLA_FLAGS", "")
+    for flag in LOW_MEMORY_XLA_FLAGS:
+        name, value = flag.split("=", 1)
+        if name == "--xla_disable_hlo_passes" and re.search(f"{name}=\\S+", flags):
+            flags = re.sub(f"({name}=\\S+)", f"\\1,{value}", flags, count=1)
+        elif name not in flags:
+            flags = f"{flags} {flag}".strip()
+    os.environ["XLA_FLAGS"] = flags
+
+
 def settings_of(args: argparse.Namespace, draft_block: int) -> SpeedSettings:
     settings = SpeedSettings(batch=args.batch, block_size=args.block_size or draft_block, context=args.context,
                              new_tokens=args.new_tokens, tau=args.tau, repeats=args.repeats,
@@ -160,13 +195,18 @@ def load_models(args: argparse.Namespace):
         tc, tp = load_target_any(args.target, dtype=args.dtype, progress=True, revision=args.revision)
         dc, dp = load_draft_any(ckpt, dtype=args.dtype, progress=True)
         dc.validate_against(tc, source=str(args.ckpt))
-        return f"target {args.target}, draft {args.ckpt}", settings_of(args, dc.block_size), tc, tp, dc, dp
+        settings = settings_of(args, dc.block_size)
+        if args.low_memory:
+            settings = dataclasses.replace(settings, prefill_chunk=dense_prefill_chunk(tc))
+        return f"target {args.target}, draft {args.ckpt}", settings, tc, tp, dc, dp
     if args.ckpt or args.revision or args.ckpt_revision:
         raise UsageError("--ckpt, --revision and --ckpt-revision go with --target, not with --preset")
     _, dc = preset_configs(args.preset, args.block_size, args.draft_layers, args.target_layers)
     settings = settings_of(args, dc.block_size)
     tc, tp, dc, dp = preset_models(args.preset, args.block_size, settings.dtype, args.seed, args.draft_layers,
                                    args.target_layers)
+    if args.low_memory:
+        settings = dataclasses.replace(settings, prefill_chunk=dense_prefill_chunk(tc))
     title = f"preset {args.preset} (random weights: {preset_description(args.preset, args.target_layers)})"
     return title, settings, tc, tp, dc, dp
 
@@ -181,6 +221,8 @@ def speed_main(args: argparse.Namespace) -> int:
             raise UsageError(f"--json {out}: folder {out.parent} does not exist")
         ensure_writable_dir(out.parent, "--json")  # before the minutes of measuring
     t0 = time.perf_counter()
+    if args.low_memory:
+        use_low_memory_xla_flags()
     setup_devices(args)
     check_attention_kernel(args.attention)  # before building any model
     mesh = None
@@ -192,6 +234,9 @@ def speed_main(args: argparse.Namespace) -> int:
     title, settings, tc, tp, dc, dp = load_models(args)
     if tc.experts is not None:
         title += f"; expert path {args.expert_path}"
+    if args.low_memory:
+        chunk = settings.prefill_chunk
+        title += "; --low-memory" + ("" if chunk is None else f" (prefill in chunks of {chunk})")
     from dflash_jax.models.experts import force_expert_path
 
     with force_expert_path(None if args.expert_path == "auto" else args.expert_path):  # read while tracing

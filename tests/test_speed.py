@@ -1,6 +1,7 @@
 """``python -m infer speed`` end to end on the tiny preset (timings are measured and printed, never asserted)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -123,7 +124,7 @@ def test_help_explains_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--preset", "--target", "--ckpt", "--batch", "--block-size", "--context", "--new-tokens", "--tau",
                  "--dtype", "--repeats", "--json", "qwen3-8b", "small", "--target-layers", "--expert-path",
-                 "qwen3-coder-30b-a3b", "gpt-oss-20b"):
+                 "qwen3-coder-30b-a3b", "gpt-oss-20b", "--low-memory"):
         assert flag in out
 
 
@@ -167,3 +168,53 @@ def test_cut_moe_presets_keep_the_real_widths(name, pairing, layers):
     assert deep == full.target and deep_draft == full.draft  # the whole model: the pairing itself
     six, six_draft = preset_configs(name, target_layers=6)
     assert six.num_hidden_layers == 6 and six_draft.target_layer_ids == (0, 1, 2, 3, 4)
+
+
+def test_low_memory_needs_a_fresh_process(report, capsys):
+    """``--low-memory`` sets XLA_FLAGS, which XLA reads when JAX starts: in-process (JAX already started by the
+    module fixture) it is a usage error, not a silent no-op."""
+    assert main(["--preset", "tiny", "--low-memory"]) == 2
+    assert "fresh process" in capsys.readouterr().err
+
+
+def test_low_memory_xla_flags_merge(monkeypatch):
+    from infer import speed
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2 --xla_disable_hlo_passes=foo")
+    speed.use_low_memory_xla_flags()
+    flags = os.environ["XLA_FLAGS"].split()
+    assert "--xla_force_host_platform_device_count=2" in flags
+    assert "--xla_disable_hlo_passes=foo,while-loop-invariant-code-motion" in flags
+    assert "--xla_cpu_enable_concurrency_optimized_scheduler=false" in flags
+
+
+def test_dense_prefill_chunk_takes_the_dense_expert_path():
+    from dflash_jax.evaluation.speed import dense_prefill_chunk, preset_configs
+    from dflash_jax.models.experts import DENSE_LIMIT
+
+    assert dense_prefill_chunk(preset_configs("tiny")[0]) is None
+    for name, chunk in (("gpt-oss-20b", 128), ("qwen3.5-35b-a3b", 16), ("qwen3-coder-30b-a3b", 32)):
+        target = preset_configs(name)[0]
+        assert dense_prefill_chunk(target) == chunk
+        assert chunk * target.experts.num_experts <= DENSE_LIMIT < 2 * chunk * target.experts.num_experts
+
+
+def test_large_leaves_are_drawn_slice_by_slice(monkeypatch):
+    """Leaves above DEVICE_SLICE elements are drawn a slice of rows at a time into their buffer: every row
+    written, the requested scale and dtype, different values in each slice."""
+    import jax.numpy as jnp
+
+    from dflash_jax.models import init
+
+    monkeypatch.setattr(init, "DEVICE_SLICE", 1000)
+    x = init._normal_on_device(init.jax.random.PRNGKey(0), (70, 3, 11), jnp.bfloat16, jnp.float32(0.5))
+    assert x.shape == (70, 3, 11) and x.dtype == jnp.bfloat16
+    v = np.asarray(x, np.float32)
+    assert np.all(v.reshape(70, -1).std(axis=1) > 0)  # no row left at zero (30 rows per slice, 3 slices)
+    assert abs(v.std() - 0.5) < 0.05
+    assert not np.allclose(v[:30], v[30:60])
+    small = init._normal_on_device(init.jax.random.PRNGKey(0), (10, 10), jnp.float32, jnp.float32(1.0))
+    np.testing.assert_array_equal(small, init._normal(init.jax.random.PRNGKey(0), (10, 10), jnp.float32,
+                                                      jnp.float32(1.0)))

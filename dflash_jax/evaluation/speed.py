@@ -30,6 +30,7 @@ each measured speedup with its matching bound.
 from __future__ import annotations
 
 import dataclasses
+import resource
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -49,6 +50,7 @@ from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
 from dflash_jax.evaluation.machine import load_average, machine_info
 from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.experts import DENSE_LIMIT
 from dflash_jax.models.init import random_params
 from dflash_jax.models.draft import shared_head
 from dflash_jax.models.draft_config import DraftConfig, default_target_layer_ids
@@ -294,6 +296,13 @@ class SpeedSettings:
     adaptive_widths: tuple[int, ...] = ()  # also decode end to end with these adaptive widths (oracle and draft)
     attention: str = "auto"  # the attention kernel (DecodeSettings.attention)
     draft_window: int | None = None  # DraftModel.draft_window: the draft's context bound (None: its own layers')
+    # Prefill in chunks of this many tokens (DecodeSettings.prefill_chunk; None: the engine's default). Prefills
+    # only fill the caches here (their time is not a figure of the report), so this changes no measured figure.
+    prefill_chunk: int | None = None
+
+    def decode_settings(self, mesh: Any = None) -> DecodeSettings:
+        chunk = {} if self.prefill_chunk is None else {"prefill_chunk": self.prefill_chunk}
+        return DecodeSettings(max_new_tokens=self.new_tokens, mesh=mesh, attention=self.attention, **chunk)
 
     def validate(self) -> None:
         checks = [
@@ -307,10 +316,31 @@ class SpeedSettings:
              f"tau must be between 1 and block_size ({self.block_size}), got {self.tau}"),
             (self.repeats >= 1, f"repeats must be at least 1, got {self.repeats}"),
             (self.e2e_repeats >= 1, f"e2e_repeats must be at least 1, got {self.e2e_repeats}"),
+            (self.prefill_chunk is None or self.prefill_chunk >= 1,
+             f"prefill_chunk must be at least 1, got {self.prefill_chunk}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
+
+
+def dense_prefill_chunk(tc: TargetConfig) -> int | None:
+    """For a mixture-of-experts target, the widest power-of-two prefill chunk whose expert layers take the
+    ``dense`` path on CPU (``models/experts.DENSE_LIMIT`` token x expert pairs); None for other targets. A wider
+    prefill takes the ``grouped`` path, which XLA:CPU expands into an ``[experts, rows, in]`` copy of each
+    projection's input (4 GiB in float32 per projection for Qwen3.5-35B-A3B's 256 experts at 256 tokens) plus a
+    transposed copy of every expert weight; chunks keep the prefill's temporaries at those of a verification."""
+    if tc.experts is None:
+        return None
+    chunk = 1
+    while 2 * chunk * tc.experts.num_experts <= DENSE_LIMIT:
+        chunk *= 2
+    return chunk
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far (Linux ``ru_maxrss``, KiB), in GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def random_prompts(vocab_size: int, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -345,7 +375,7 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
                       prompts: list[list[int]]) -> dict[str, Timing]:
     dtype, block, b = s.dtype, s.block_size, s.batch
     target = TargetModel(tc, dtype)
-    settings = DecodeSettings(max_new_tokens=s.new_tokens, attention=s.attention)
+    settings = s.decode_settings()
     width = prompt_width(s.context, s.new_tokens, tc.max_position_embeddings)
     tokens = np.zeros((b, width), np.int32)
     tokens[:, : s.context] = np.asarray(prompts, np.int32)
@@ -507,7 +537,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         from dflash_jax import sharding
 
         tp, dp = (jax.device_put(tree, sharding.tree_shardings(tree, mesh)) for tree in (tp, dp))
-    settings = DecodeSettings(max_new_tokens=s.new_tokens, mesh=mesh, attention=s.attention)
+    settings = s.decode_settings(mesh)
     adaptive = dataclasses.replace(settings, adaptive_widths=s.adaptive_widths)
     t_start = time.perf_counter()
     machine = machine_info()  # the load average at the start
@@ -571,7 +601,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
                      "new_tokens": s.new_tokens, "tau": s.tau, "repeats": s.repeats,
                      "e2e_repeats": s.e2e_repeats, "seed": s.seed, "dtype": jnp.dtype(s.dtype).name,
                      "adaptive_widths": list(s.adaptive_widths), "attention": s.attention,
-                     "draft_window": s.draft_window,
+                     "draft_window": s.draft_window, "prefill_chunk": s.prefill_chunk,
                      "attention_kernel": resolve_kernel(s.attention, s.dtype),
                      "mesh": None if mesh is None else dict(zip(mesh.axis_names, map(int, mesh.devices.shape)))},
         "models": {
@@ -591,6 +621,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         "estimate_with_draft_at_tau": bounds["with_draft"] * e2e["oracle"]["measured_over_bound"],
         "total_s": time.perf_counter() - t_start,
         "load_avg_1m_end": load_average(),
+        "peak_rss_gib": peak_rss_gib(),
     }
 
 
@@ -686,4 +717,7 @@ def format_report(r: dict, title: str = "") -> str:
         f"(1.0 would be free verification, as on a GPU at small batch); draft / verify = "
         f"{r['ratios']['draft_over_verify']:.2f}",
     ]
+    if r.get("peak_rss_gib") is not None:
+        lines.append(f"Peak resident memory of this process: {r['peak_rss_gib']:.1f} GiB "
+                     "(building the models included)")
     return "\n".join(lines)
