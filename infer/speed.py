@@ -195,18 +195,13 @@ def load_models(args: argparse.Namespace):
         tc, tp = load_target_any(args.target, dtype=args.dtype, progress=True, revision=args.revision)
         dc, dp = load_draft_any(ckpt, dtype=args.dtype, progress=True)
         dc.validate_against(tc, source=str(args.ckpt))
-        settings = settings_of(args, dc.block_size)
-        if args.low_memory:
-            settings = dataclasses.replace(settings, prefill_chunk=dense_prefill_chunk(tc))
-        return f"target {args.target}, draft {args.ckpt}", settings, tc, tp, dc, dp
+        return f"target {args.target}, draft {args.ckpt}", settings_of(args, dc.block_size), tc, tp, dc, dp
     if args.ckpt or args.revision or args.ckpt_revision:
         raise UsageError("--ckpt, --revision and --ckpt-revision go with --target, not with --preset")
     _, dc = preset_configs(args.preset, args.block_size, args.draft_layers, args.target_layers)
     settings = settings_of(args, dc.block_size)
     tc, tp, dc, dp = preset_models(args.preset, args.block_size, settings.dtype, args.seed, args.draft_layers,
                                    args.target_layers)
-    if args.low_memory:
-        settings = dataclasses.replace(settings, prefill_chunk=dense_prefill_chunk(tc))
     title = f"preset {args.preset} (random weights: {preset_description(args.preset, args.target_layers)})"
     return title, settings, tc, tp, dc, dp
 
@@ -235,6 +230,7 @@ def speed_main(args: argparse.Namespace) -> int:
     if tc.experts is not None:
         title += f"; expert path {args.expert_path}"
     if args.low_memory:
+        settings = dataclasses.replace(settings, prefill_chunk=dense_prefill_chunk(tc))
         chunk = settings.prefill_chunk
         title += "; --low-memory" + ("" if chunk is None else f" (prefill in chunks of {chunk})")
     from dflash_jax.models.experts import force_expert_path
