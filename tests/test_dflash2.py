@@ -284,3 +284,26 @@ def test_selector_training_scores_equal_inference(bundle):
             np.testing.assert_allclose(ce[0, i, k], expected, rtol=1e-5, atol=1e-5)
             assert bool(picked[0, i, k]) == (int(cands[int(np.argmax(scores[:5]))]) == lab)
     assert missing >= 3
+
+
+def test_teacher_forced_acceptance_walks_the_selector():
+    """The replay's teacher-forced acceptance (``infer bench --replay``) of a DFlash2 draft is its selector's
+    chain: round for round what the engine accepts (the last round left out: it may run past the answer).
+    On the shipped demo pair (a trained DFlash2 draft), whose selector often overrules the argmax."""
+    from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET
+    from dflash_jax.checkpoints.loading import load_draft_any, load_target_any
+    from dflash_jax.evaluation.replay import replay_fixed, teacher_forced_acceptance
+
+    tc, tp = load_target_any(DEMO_TARGET)
+    config, params = load_draft_any(DEMO_DRAFT)
+    assert config.dflash2
+    prompt, new = [1, 403, 261, 378, 280], 60  # BOS and a few story tokens
+    settings = DecodeSettings(max_new_tokens=new)
+    answer = generate(tc, tp, [prompt], NoProposer(), NoProposer().init(), settings).tokens[0]
+    prop = DFlashProposer(config, BLOCK)
+    out = generate(tc, tp, [prompt], prop, prop.init(params, shared_head(tp, tc.tie_word_embeddings), 1,
+                                                     16 + new + BLOCK), settings)
+    acceptance = teacher_forced_acceptance(tc, tp, config, params, prompt, answer, BLOCK)
+    lengths = replay_fixed(acceptance, 1.0)[1]
+    assert lengths[:-1] == out.accept_lengths[0][:-1] and len(lengths) == len(out.accept_lengths[0])
+    assert np.mean(out.accept_lengths[0]) > 2  # a real draft: long accepted runs are compared

@@ -269,7 +269,7 @@ def test_a_new_dflash2_draft_trains_its_selector(tiny):
     result = fit(cfg, progress=False, log=lambda _: None)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["selector_loss"] for r in rows if "selector_loss" in r]
-    assert len(losses) >= 10 and all(k in rows[-1] for k in ("selector_accuracy", "ce", "kl"))
+    assert len(losses) >= 10 and all(k in rows[-1] for k in ("head_accuracy", "ce", "kl"))
     assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
     config2, params = load_draft(result.export_dir / "draft")
     assert config2.dflash2 and config2.selector_top_k == 4

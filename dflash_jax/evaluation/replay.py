@@ -32,7 +32,7 @@ from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft import DraftModel, shared_head
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.target import TargetModel
-from dflash_jax.training.forward import draft_training_logits
+from dflash_jax.training.forward import draft_training_proposals
 from dflash_jax.training.step import target_features
 
 
@@ -54,10 +54,9 @@ def _teacher_forced_fns(target_config: TargetConfig, draft_config: DraftConfig, 
     def proposals(target_params, draft_params, features, tokens, anchors, valid):
         block_tokens = jnp.full(anchors.shape + (block,), draft_config.mask_token_id, jnp.int32)
         block_tokens = block_tokens.at[..., 0].set(jnp.take_along_axis(tokens, anchors, axis=1))
-        logits = draft_training_logits(draft, draft_params, features, block_tokens,
-                                       anchors[..., None] + jnp.arange(block), valid,
-                                       shared_head(target_params, target_config.tie_word_embeddings))
-        return jnp.argmax(logits[0, :, 1:], axis=-1)
+        return draft_training_proposals(draft, draft_params, features, block_tokens,
+                                        anchors[..., None] + jnp.arange(block), valid,
+                                        shared_head(target_params, target_config.tie_word_embeddings))[0]
 
     return features, proposals
 

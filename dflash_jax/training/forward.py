@@ -123,6 +123,29 @@ def _packed_forward(module: DraftModel, target_features, block_tokens, block_pos
     return module.logits(x, shared)
 
 
+def _packed_proposals(module: DraftModel, target_features, block_tokens, block_positions, anchor_valid, shared):
+    """Inside ``apply``: every packed block's greedy proposals ``[N, A, B-1]`` for its mask positions, as an
+    inference round makes them: the argmax, or a DFlash2 draft's selector chain from the block's anchor."""
+    context_kv = _context_kv(module, target_features)
+    x = _block_hidden(module, context_kv, block_tokens, block_positions, anchor_valid, shared)
+    normed = module.norm(x[:, :, 1:])
+    logits = module.normed_logits(normed, shared)
+    if module.candidate_selector is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    n, a, k = logits.shape[:3]
+    flat = lambda t: t.reshape((n * a, k) + t.shape[3:])  # noqa: E731
+    tokens, _ = module.select(flat(logits), flat(normed), block_tokens[..., 0].reshape(n * a))
+    return tokens.reshape(n, a, k)
+
+
+def draft_training_proposals(model: DraftModel, params, target_features: jax.Array, block_tokens: jax.Array,
+                             block_positions: jax.Array, anchor_valid: jax.Array, shared: SharedHead) -> jax.Array:
+    """Greedy proposals ``[N, A, B-1]`` of every packed block (same inputs as ``draft_training_logits``):
+    block ``(n, a)`` proposes what the inference round anchored there proposes."""
+    return model.apply({"params": params}, target_features, block_tokens, block_positions, anchor_valid,
+                       frozen(shared), method=_packed_proposals)
+
+
 def frozen(shared: SharedHead) -> SharedHead:
     """The target's embedding/head with gradients stopped (they are never trained)."""
     head = None if shared.head_kernel is None else jax.lax.stop_gradient(shared.head_kernel)

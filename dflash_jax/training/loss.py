@@ -113,7 +113,7 @@ class LossSums(NamedTuple):
     weighted_ce: jax.Array  # sum of w_k * ce over valid labels
     weighted_kl: jax.Array  # sum of w_k * KL(p_target || q_draft) over valid labels (0 when not computed)
     weighted_selector: jax.Array  # DFlash2: sum of w_k * the selector's teacher-forced cross-entropy (else 0)
-    selector_correct: jax.Array  # DFlash2: valid labels the selector picks given the true predecessor
+    head_correct: jax.Array  # DFlash2: valid labels the head's argmax gets right, before the selector
     weight: jax.Array  # the normaliser: sum of w_k over valid labels (decay), labelled blocks (dpace)
     correct: jax.Array  # [B] correct greedy predictions per block position (0 at the anchor)
     count: jax.Array  # [B] valid labels per block position
@@ -180,6 +180,10 @@ def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.
     never computed); ``labels, label_mask [..., B]`` cover the whole block. ``target_logits [..., B-1, V]``
     (the target's own logits predicting the same tokens) add the KL sum; ``selector`` (a DFlash2 draft's
     teacher-forced cross-entropy and correct picks ``[..., B-1]``) its sums. Everything in float32.
+
+    The accuracy and acceptance sums count what inference would propose: the argmax, or a DFlash2 draft's
+    selector pick given the true predecessor. Up to the first wrong token the chain's predecessor IS the true
+    token, so the leading run of correct picks is exactly the block's acceptance by the selector's chain.
     """
     block = labels.shape[-1]
     labels_k, mask_k = labels[..., 1:], label_mask[..., 1:].astype(bool)
@@ -196,18 +200,20 @@ def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.
     if target_logits is not None:
         weighted_kl = jnp.sum(w * forward_kl(target_logits, logits, spec.temperature))
     z = jnp.zeros((), jnp.float32)
-    weighted_selector = selector_correct = z
+    weighted_selector = head_correct = z
+    picked_correct = jnp.argmax(logits, axis=-1) == labels_k
     if selector is not None:
         weighted_selector = jnp.sum(w * jnp.where(mask_k, selector[0], 0.0))
-        selector_correct = jnp.sum(selector[1] & mask_k).astype(jnp.float32)
-    correct = ((jnp.argmax(logits, axis=-1) == labels_k) & mask_k).reshape(-1, block - 1).astype(jnp.float32)
+        head_correct = jnp.sum(picked_correct & mask_k).astype(jnp.float32)
+        picked_correct = selector[1]
+    correct = (picked_correct & mask_k).reshape(-1, block - 1).astype(jnp.float32)
     mask_f = mask_k.reshape(-1, block - 1).astype(jnp.float32)
     run = jnp.cumprod(correct, axis=1).sum(1)  # leading run of correct predictions from k = 1
     has_block = mask_f[:, 0]
     pad = jnp.zeros((1,), jnp.float32)
     return LossSums(
         weighted_ce=jnp.sum(w * ce), weighted_kl=weighted_kl, weighted_selector=weighted_selector,
-        selector_correct=selector_correct, weight=normaliser.astype(jnp.float32),
+        head_correct=head_correct, weight=normaliser.astype(jnp.float32),
         correct=jnp.concatenate([pad, correct.sum(0)]), count=jnp.concatenate([pad, mask_f.sum(0)]),
         accepted=jnp.sum((1.0 + run) * has_block), blocks=has_block.sum(),
     )
@@ -223,7 +229,8 @@ def loss_and_metrics(sums: LossSums, kl_weight: float = 0.0, selector_weight: fl
                      ) -> tuple[jax.Array, dict]:
     """The one division: loss ``objective / normaliser`` and the metrics, from (globally reduced) sums. With a
     KL term the metrics also hold ``ce`` and ``kl`` apart; with a selector (``selector_weight`` not None: a
-    DFlash2 draft) its loss and teacher-forced accuracy."""
+    DFlash2 draft) its loss and the head's own accuracy before the selector (``accuracy`` and the acceptance
+    metrics count the selector's picks: what the engine proposes)."""
     per_pos = sums.correct / jnp.maximum(sums.count, 1.0)
     weight = jnp.maximum(sums.weight, 1e-12)
     loss = sums.objective(kl_weight, selector_weight or 0.0) / weight
@@ -240,7 +247,7 @@ def loss_and_metrics(sums: LossSums, kl_weight: float = 0.0, selector_weight: fl
         metrics["kl"] = sums.weighted_kl / weight
     if selector_weight is not None:
         metrics["selector_loss"] = sums.weighted_selector / weight
-        metrics["selector_accuracy"] = sums.selector_correct / jnp.maximum(sums.count.sum(), 1.0)
+        metrics["head_accuracy"] = sums.head_correct / jnp.maximum(sums.count.sum(), 1.0)
     return loss, metrics
 
 
