@@ -232,6 +232,7 @@ def qwen_like_tokenizer(tmp_path_factory):
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    fast.add_tokens(["<think>", "</think>"])  # added, not special: as in Qwen3's tokenizer
     fast.chat_template = QWEN3_LIKE
     out = tmp_path_factory.mktemp("qwenlike")
     fast.save_pretrained(out)
@@ -273,9 +274,57 @@ def test_qwen3_like_template_each_answer_follows_its_own_generation_prompt(qwen_
     n = len(tok(prompt_1, add_special_tokens=False)["input_ids"])
     assert ids[:n].tolist() == tok(prompt_1, add_special_tokens=False)["input_ids"] and not mask[:n].any()
 
-    # Thinking on: the generation prompt has no think block, so neither has the sequence before an answer.
+    # Thinking on: the generation prompt has no think block, so neither has the sequence before an answer;
+    # the template's empty block before an answer without one is what the target writes there: trained.
     ids, mask, _ = encode_example(tok, Conversation(tuple(messages[:3])), 512, enable_thinking=True)
     assert runs(tok, ids, mask)[0][0].endswith("<|im_start|>assistant\n")
+    assert runs(tok, ids, mask)[1] == (think + "a1 x<|im_end|>", True)
+    # An answer regenerated with thinking on brings its own think block: it is not given a second one.
+    reasoned = assistant("<think>\nr\n</think>\n\na1 x")
+    ids, mask, _ = encode_example(tok, Conversation((messages[1], reasoned)), 512, enable_thinking=True)
+    assert runs(tok, ids, mask)[1] == (reasoned["content"] + "<|im_end|>", True)
+
+
+HARMONY_LIKE = (
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + m.content }}"
+    "{{- '<|return|>' if loop.last else '<|end|>' }}"
+    "{%- else %}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+
+
+def test_harmony_like_template_trains_the_channel_header(tmp_path):
+    """gpt-oss's harmony format: the generation prompt ends at ``<|start|>assistant`` and the template writes
+    ``<|channel|>final<|message|>`` before every answer, which the target generates itself: that header goes
+    into the sequence (before the fix it was in no span at all) and is trained with the answer. A content
+    that opens with its own channel header (a raw regenerated answer) is not given a second one."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+    chars = sorted(set(CHARS) | {" ", "\n"})
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>", unk_token="<unk>",
+                                   additional_special_tokens=specials[1:5])
+    fast.chat_template = HARMONY_LIKE
+    fast.save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = (user("u1"), assistant("a1"), user("u2"), assistant("a2"))
+    header = "<|channel|>final<|message|>"
+    ids, mask, _ = encode_example(tok, Conversation(messages), 512)
+    assert runs(tok, ids, mask) == [
+        ("<|start|>user<|message|>u1<|end|><|start|>assistant", False), (header + "a1<|end|>", True),
+        ("<|start|>user<|message|>u2<|end|><|start|>assistant", False), (header + "a2<|return|>", True)]
+    # The sequence is the template's own rendering of the conversation, token for token.
+    assert tok.decode(ids.tolist()) == tok.apply_chat_template(list(messages), tokenize=False)
+    raw = assistant("<|channel|>analysis<|message|>r<|end|><|start|>assistant" + header + "a1")
+    ids, mask, _ = encode_example(tok, Conversation((messages[0], raw)), 512)
+    assert runs(tok, ids, mask)[1] == (raw["content"] + "<|return|>", True)
 
 
 def test_tokenize_examples_padding_truncation_and_dropped_rows(char_tokenizer):
