@@ -81,7 +81,11 @@ def greedy_tokens(decoder, stops, ids):
 
 
 def greedy_answer(decoder, tokenizer, stops, ids):
-    return tokenizer.decode(greedy_tokens(decoder, stops, ids), skip_special_tokens=True)
+    """The greedy answer's text: special tokens kept, the final stop token left out."""
+    tokens = greedy_tokens(decoder, stops, ids)
+    tokens = tokens[:-1] if tokens and tokens[-1] in stops else tokens
+    whole = tokenizer.decode(list(ids) + tokens, skip_special_tokens=False)
+    return whole[len(tokenizer.decode(list(ids), skip_special_tokens=False)):]
 
 
 def test_rows_are_the_targets_own_greedy_answers(setup, reference):
@@ -282,3 +286,28 @@ def test_repeat_answers_every_example_n_times(setup, tmp_path, capsys):
     assert prompts[:2] == prompts[2:4] == prompts[4:6]  # the file, three times over
     assert main(cli_args(setup, tmp_path / "bad", "--repeat", "0")) == 2
     assert "--repeat must be at least 1" in capsys.readouterr().err
+
+
+def test_answers_keep_the_special_tokens_the_target_generated(setup):
+    """An answer is the text of exactly the ids the target generated, special tokens included (gpt-oss
+    writes its channels with them; dropping them would train on a text the target never produced), less the
+    final stop token, which the template or the trainer puts back. Checked with a decoder that answers fixed
+    ids, so the ids are known."""
+    from dflash_jax.data.regenerate import RegenerateStats, _Progress, answer_shard
+
+    _, _, _, decoder, tokenizer, stops = setup
+    h, i = tokenizer.convert_tokens_to_ids(["h", "i"])
+    answers = [[h, tokenizer.bos_token_id, i, stops[0]], [i, h]]  # a stop at the end; cut at max_new_tokens
+
+    class FixedDecoder:
+        target_config = decoder.target_config
+
+        def generate(self, prompts, *args, **kwargs):
+            return argparse.Namespace(tokens=answers[: len(prompts)])
+
+    stats = RegenerateStats()
+    rows = answer_shard(FixedDecoder(), tokenizer, [PlainText("", "Go"), PlainText("", "x")], 0, 0, batch_size=2,
+                        max_new_tokens=4, sampling=SamplingConfig(), stop_tokens=stops, seed=0,
+                        use_chat_template=True, enable_thinking=False, stats=stats,
+                        progress=_Progress(2, 0, enabled=False))
+    assert [(r["text"], r["finished"]) for r in rows] == [("h<s>i", True), ("ih", False)]

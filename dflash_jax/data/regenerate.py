@@ -40,7 +40,7 @@ from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
 from dflash_jax.fileio import atomic_write
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: answers keep the special tokens the target generated (1 dropped them)
 
 
 @dataclasses.dataclass
@@ -237,12 +237,14 @@ def answer_shard(decoder: Any, tokenizer: Any, examples: Sequence[Example], shar
             finished = tokens = 0
             for (j, ids), out in zip(batch, result.tokens):
                 tokens += len(out)
-                answer = decode_continuation(tokenizer, ids, out)
+                ended = bool(out) and out[-1] in stops
+                # The answer is exactly what the target generated, its special tokens included (gpt-oss writes
+                # its channels with them), less the stop token: the template or the trainer adds that back.
+                answer = decode_continuation(tokenizer, ids, out[:-1] if ended else out, keep_special=True)
                 if not answer.strip():
                     _end(j)
                 else:
                     stats.answers += 1
-                    ended = bool(out) and out[-1] in stops
                     stats.unfinished += int(not ended)
                     j.finished &= ended
                     j.history.append({"role": "assistant", "content": answer})

@@ -138,13 +138,16 @@ def encode_conversation(tokenizer: Any, messages: list[dict], use_chat_template:
     return list(tokenizer(messages[-1]["content"])["input_ids"])
 
 
-def decode_continuation(tokenizer: Any, prompt_ids: Sequence[int], new_ids: Sequence[int]) -> str:
+def decode_continuation(tokenizer: Any, prompt_ids: Sequence[int], new_ids: Sequence[int],
+                        keep_special: bool = False) -> str:
     """The text that ``new_ids`` add after ``prompt_ids``. Decoding the new ids alone loses what depends on
     their left context: a SentencePiece tokenizer drops the leading space of a word-start token ("Lily" +
     " was" would come back as "Lily" + "was"). So decode both and take the difference; when that is not an
-    extension (a tokenizer that rewrites earlier text), fall back to the new ids alone."""
-    head = tokenizer.decode(list(prompt_ids), skip_special_tokens=True)
-    whole = tokenizer.decode(list(prompt_ids) + list(new_ids), skip_special_tokens=True)
+    extension (a tokenizer that rewrites earlier text), fall back to the new ids alone. ``keep_special``
+    keeps special tokens in the text (for display they are dropped)."""
+    skip = not keep_special
+    head = tokenizer.decode(list(prompt_ids), skip_special_tokens=skip)
+    whole = tokenizer.decode(list(prompt_ids) + list(new_ids), skip_special_tokens=skip)
     if whole.startswith(head):
         return whole[len(head):]
-    return tokenizer.decode(list(new_ids), skip_special_tokens=True)
+    return tokenizer.decode(list(new_ids), skip_special_tokens=skip)
