@@ -94,8 +94,11 @@ def activate(gate: jax.Array, up: jax.Array, cfg: ExpertsConfig) -> jax.Array:
 
 def dense_experts(x, weights, ids, p, cfg: ExpertsConfig):
     """Every expert on every token ``x [N, H]``; each token sums its k outputs with their weights."""
-    gate = jnp.einsum("nh,ehi->eni", x, p["gate_proj"])
-    up = jnp.einsum("nh,ehi->eni", x, p["up_proj"])
+    # x broadcast over the experts first: with "nh,ehi->eni" XLA:CPU copies every expert's weights transposed
+    # on each call (gpt-oss-20b's shapes, 8 tokens: 1.25 s vs 0.14 s for gate + up, outputs equal to 6e-6).
+    xe = jnp.broadcast_to(x, (cfg.num_experts,) + x.shape)
+    gate = jnp.einsum("enh,ehi->eni", xe, p["gate_proj"])
+    up = jnp.einsum("enh,ehi->eni", xe, p["up_proj"])
     if cfg.expert_bias:
         gate, up = gate + p["gate_proj_bias"][:, None], up + p["up_proj_bias"][:, None]
     y = jnp.einsum("eni,eih->enh", activate(gate, up, cfg), p["down_proj"])
