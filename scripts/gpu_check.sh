@@ -41,7 +41,7 @@ step() {
   > "$OUT_DIR/machine.txt" 2>&1
 cat "$OUT_DIR/machine.txt"
 if [ "${STEPS:-all}" = all ]; then
-step tests 180 python -m pytest -q -p no:cacheprovider tests/test_fused_attention.py tests/test_engine_greedy.py \
+step tests 180 python -m pytest -q -p no:cacheprovider -o addopts= tests/test_fused_attention.py tests/test_engine_greedy.py \
   tests/test_adaptive.py tests/test_replay.py tests/test_engine_sampling.py
 step speed-8b 120 python -m infer speed --preset qwen3-8b --dtype bfloat16 --context 1024 --new-tokens 256 --tau 6 \
   --repeats 5 --adaptive 1,4,8 --json "$OUT_DIR/speed-8b.json"

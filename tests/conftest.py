@@ -37,3 +37,15 @@ def pytest_configure(config):
     except ImportError:
         return
     torch.set_num_threads(1)
+
+
+# The longest modules (seconds on 2 cores, mostly subprocesses over 8 fake devices or 2 processes) go first,
+# so that with two xdist workers (pyproject's addopts: -n 2 --dist loadfile) no long module starts last while
+# the other worker sits idle.
+LONG_MODULES = ("test_train_step.py", "test_engine_sharded.py", "test_moe_sharded.py", "test_train_fit.py",
+                "test_multiprocess_infer.py", "test_fused_attention.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_MODULES)))  # stable: order kept otherwise
