@@ -311,3 +311,41 @@ def test_answers_keep_the_special_tokens_the_target_generated(setup):
                         use_chat_template=True, enable_thinking=False, stats=stats,
                         progress=_Progress(2, 0, enabled=False))
     assert [(r["text"], r["finished"]) for r in rows] == [("h<s>i", True), ("ih", False)]
+
+
+def test_a_template_that_refuses_a_turn_ends_that_conversation(setup):
+    """A template that raises (gpt-oss's refuses an earlier answer holding channel tokens) ends that
+    conversation before the turn, keeping its answers so far, with a warning; an example whose first turn
+    cannot be rendered is left out; the other examples are answered as usual."""
+    import copy
+
+    from dflash_jax.data.regenerate import RegenerateStats, _Progress, answer_shard
+
+    _, _, _, decoder, tokenizer, stops = setup
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' and '<s>' in m['content'] %}"
+        "{{ raise_exception('channel tokens in an assistant content') }}{% endif %}"
+        "{% if m['content'] == 'bad' %}{{ raise_exception('a bad user turn') }}{% endif %}"
+        "{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+    h, i = tok.convert_tokens_to_ids(["h", "i"])
+
+    class FixedDecoder:
+        target_config = decoder.target_config
+
+        def generate(self, prompts, *args, **kwargs):
+            return argparse.Namespace(tokens=[[h, tok.bos_token_id, i, stops[0]], [i, h, stops[0]]][: len(prompts)])
+
+    def conversation(*users):
+        return Conversation(tuple(m for u in users for m in ({"role": "user", "content": u},
+                                                             {"role": "assistant", "content": "old"})))
+
+    stats = RegenerateStats()
+    rows = answer_shard(FixedDecoder(), tok, [conversation("one", "two"), conversation("bad"), conversation("x", "y")],
+                        0, 0, batch_size=2, max_new_tokens=4, sampling=SamplingConfig(), stop_tokens=stops, seed=0,
+                        use_chat_template=True, enable_thinking=False, stats=stats,
+                        progress=_Progress(3, 0, enabled=False))
+    assert [[m["content"] for m in r["messages"]] for r in rows] == [["one", "h<s>i"], ["x", "ih", "y", "h<s>i"]]
+    assert [w.split(": ", 1)[0] for w in stats.warnings] == ["example 1 turn 1", "example 0 turn 2"]
+    assert "a bad user turn" in stats.warnings[0] and stats.warnings[0].endswith("example left out")
+    assert "channel tokens" in stats.warnings[1] and stats.warnings[1].endswith("the conversation ends before this turn")

@@ -199,7 +199,8 @@ def first_prompt_ids(tokenizer: Any, example: Example, use_chat_template: bool =
 
 
 def _end(job: _Job) -> None:
-    """End the conversation before the current turn (its prompt is too long, or its answer empty)."""
+    """End the conversation before the current turn (its prompt is too long or cannot be rendered, or its
+    answer is empty)."""
     if job.history and job.history[-1]["role"] == "user":
         job.history.pop()
     job.done = True
@@ -218,14 +219,20 @@ def answer_shard(decoder: Any, tokenizer: Any, examples: Sequence[Example], shar
     while active := [j for j in jobs if not j.done and turn < len(j.users)]:
         ready = []
         for j in active:
-            ids = _prompt_ids(j, turn, tokenizer, use_chat_template, enable_thinking)
-            if len(ids) + max_new_tokens <= max_positions:
-                ready.append((j, ids))
-                continue
-            stats.warnings.append(
-                f"example {j.index} turn {turn + 1}: the prompt of {len(ids)} tokens plus max_new_tokens="
-                f"{max_new_tokens} exceeds the target's {max_positions} positions; "
-                + ("the conversation ends before this turn" if j.answers else "example left out"))
+            try:
+                ids = _prompt_ids(j, turn, tokenizer, use_chat_template, enable_thinking)
+            except Exception as e:  # noqa: BLE001 (templates raise their own messages, e.g. gpt-oss's)
+                # gpt-oss's template refuses an earlier answer that holds channel tokens (its analysis belongs
+                # in a `thinking` field): the answers so far are kept, the rest of the conversation is not.
+                problem = f"the chat template failed ({type(e).__name__}: {e})"
+            else:
+                if len(ids) + max_new_tokens <= max_positions:
+                    ready.append((j, ids))
+                    continue
+                problem = (f"the prompt of {len(ids)} tokens plus max_new_tokens={max_new_tokens} exceeds the "
+                           f"target's {max_positions} positions")
+            stats.warnings.append(f"example {j.index} turn {turn + 1}: {problem}; "
+                                  + ("the conversation ends before this turn" if j.answers else "example left out"))
             _end(j)
             progress.update(1, 0)
         for b in range(0, len(ready), batch_size):
