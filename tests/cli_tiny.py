@@ -33,6 +33,38 @@ def write_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
+HARMONY_LIKE = (  # what gpt-oss's template does with these messages (tools left out)
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- if '<|channel|>' in m.content %}{{- raise_exception('channel tags in the content field') }}{%- endif %}"
+    "{%- if loop.last and not add_generation_prompt %}"
+    "{%- if m.thinking is defined %}{{- '<|start|>assistant<|channel|>analysis<|message|>' + m.thinking + '<|end|>' }}"
+    "{%- endif %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|return|>' }}"
+    "{%- else %}{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}{%- endif %}"
+    "{%- else %}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
+)
+
+
+def write_harmony_tokenizer(out: Path) -> None:
+    """A character tokenizer with harmony's special tokens and a template that renders messages as gpt-oss's
+    does (``HARMONY_LIKE``), saved to ``out``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
+    chars = sorted(set(CHARS) | {" ", "\n"})
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>", unk_token="<unk>",
+                                   additional_special_tokens=specials[1:5])
+    fast.chat_template = HARMONY_LIKE
+    fast.save_pretrained(out)
+
+
 def write_tiny_pair(root: Path, block: int = 8) -> tuple[Path, Path]:
     tc, tp = tiny_target()
     dc, dp = tiny_draft(block=block)

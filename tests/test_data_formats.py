@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from cli_tiny import CHARS, SPECIALS, write_tokenizer
+from cli_tiny import CHARS, SPECIALS, write_harmony_tokenizer, write_tokenizer
 from conftest import shared_file
 from dflash_jax.data import (
     Conversation, DataError, PlainText, TokenizedData, encode_example, example_to_row, read_examples,
@@ -50,6 +50,8 @@ LAYOUTS = [
     ({"prompt": "p", "response": None}, Conversation((user("p"),))),
     ({"text": "plain"}, PlainText("plain")),
     ({"text": "rest", "prompt": "start "}, PlainText("rest", "start ")),
+    ({"messages": [user("q"), {"role": "assistant", "content": "a", "thinking": "t"}]},  # gpt-oss's reasoning
+     Conversation((user("q"), {"role": "assistant", "content": "a", "thinking": "t"}))),
 ]
 
 
@@ -87,6 +89,8 @@ MALFORMED = [
     ({"conversations": [{"from": "human"}]}, "message 0 content must be a string, got NoneType"),
     ({"text": ""}, "'text' is empty"),
     ({"text": "t", "prompt": ["x"]}, "'prompt' must be a string"),
+    ({"messages": [user("q"), {"role": "assistant", "content": "a", "thinking": 1}]},
+     "message 1 'thinking' must be a string, got int"),
 ]
 
 
@@ -285,34 +289,14 @@ def test_qwen3_like_template_each_answer_follows_its_own_generation_prompt(qwen_
     assert runs(tok, ids, mask)[1] == (reasoned["content"] + "<|im_end|>", True)
 
 
-HARMONY_LIKE = (
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}"
-    "{{- '<|start|>assistant<|channel|>final<|message|>' + m.content }}"
-    "{{- '<|return|>' if loop.last else '<|end|>' }}"
-    "{%- else %}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
-)
-
-
 def test_harmony_like_template_trains_the_channel_header(tmp_path):
     """gpt-oss's harmony format: the generation prompt ends at ``<|start|>assistant`` and the template writes
     ``<|channel|>final<|message|>`` before every answer, which the target generates itself: that header goes
     into the sequence (before the fix it was in no span at all) and is trained with the answer. A content
     that opens with its own channel header (a raw regenerated answer) is not given a second one."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
-    specials = ["<unk>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"]
-    chars = sorted(set(CHARS) | {" ", "\n"})
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|return|>", unk_token="<unk>",
-                                   additional_special_tokens=specials[1:5])
-    fast.chat_template = HARMONY_LIKE
-    fast.save_pretrained(tmp_path)
+    write_harmony_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
     messages = (user("u1"), assistant("a1"), user("u2"), assistant("a2"))
     header = "<|channel|>final<|message|>"
@@ -322,9 +306,26 @@ def test_harmony_like_template_trains_the_channel_header(tmp_path):
         ("<|start|>user<|message|>u2<|end|><|start|>assistant", False), (header + "a2<|return|>", True)]
     # The sequence is the template's own rendering of the conversation, token for token.
     assert tok.decode(ids.tolist()) == tok.apply_chat_template(list(messages), tokenize=False)
-    raw = assistant("<|channel|>analysis<|message|>r<|end|><|start|>assistant" + header + "a1")
-    ids, mask, _ = encode_example(tok, Conversation((messages[0], raw)), 512)
-    assert runs(tok, ids, mask)[1] == (raw["content"] + "<|return|>", True)
+    # An answer as regeneration stores it (the target's analysis channel, then the final one): its sequence
+    # is the generation prompt and exactly the generated text, then <|return|>; and the template, which
+    # refuses channel tags in a content, renders the next turn's prompt after it.
+    from dflash_jax.data.regenerate import assistant_message
+    from dflash_jax.engine.decoder import encode_conversation
+
+    generated = "<|channel|>analysis<|message|>r<|end|><|start|>assistant" + header + "a1"
+    answer = assistant_message(generated)
+    assert answer == {"role": "assistant", "thinking": "r", "content": "a1"}
+    ids, mask, _ = encode_example(tok, Conversation((messages[0], answer)), 512)
+    assert runs(tok, ids, mask) == [("<|start|>user<|message|>u1<|end|><|start|>assistant", False),
+                                    (generated + "<|return|>", True)]
+    assert tok.decode(encode_conversation(tok, [messages[0], answer, messages[2]])) == (
+        "<|start|>user<|message|>u1<|end|><|start|>assistant" + header + "a1<|end|>"
+        "<|start|>user<|message|>u2<|end|><|start|>assistant")
+    # Anything else stays as generated: no final channel, another channel, an empty part.
+    for other in ("a1", "<|channel|>analysis<|message|>r", "<|channel|>commentary<|message|>c",
+                  header + "  ", "<|channel|>analysis<|message|><|end|><|start|>assistant" + header + "a1"):
+        assert assistant_message(other) == {"role": "assistant", "content": other}, other
+    assert assistant_message(header + "a1") == {"role": "assistant", "content": "a1"}
 
 
 def test_tokenize_examples_padding_truncation_and_dropped_rows(char_tokenizer):

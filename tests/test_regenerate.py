@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_tiny import write_tiny_pair
+from cli_tiny import write_harmony_tokenizer, write_tiny_pair
 from dflash_jax.data import (
     Conversation, DataError, PlainText, plain_prompt_ids, read_examples, regenerate, tokenize_examples,
 )
@@ -349,3 +349,43 @@ def test_a_template_that_refuses_a_turn_ends_that_conversation(setup):
     assert [w.split(": ", 1)[0] for w in stats.warnings] == ["example 1 turn 1", "example 0 turn 2"]
     assert "a bad user turn" in stats.warnings[0] and stats.warnings[0].endswith("example left out")
     assert "channel tokens" in stats.warnings[1] and stats.warnings[1].endswith("the conversation ends before this turn")
+
+
+def test_harmony_answers_are_stored_as_thinking_and_content(setup, tmp_path):
+    """A gpt-oss answer (analysis channel, then final) is stored as gpt-oss's template takes it, ``thinking``
+    and ``content``: the next turn's prompt renders (the template refuses channel tags in a content), and
+    training on the row puts back exactly the text the target generated after its last generation prompt."""
+    from transformers import AutoTokenizer
+
+    from dflash_jax.data import encode_example
+    from dflash_jax.data.regenerate import RegenerateStats, _Progress, answer_shard
+
+    write_harmony_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    stop = tok.convert_tokens_to_ids("<|return|>")
+    generated = "<|channel|>analysis<|message|>r<|end|><|start|>assistant<|channel|>final<|message|>ok"
+    answer_ids = tok(generated, add_special_tokens=False)["input_ids"] + [stop]
+    prompts_seen = []
+
+    class FixedDecoder:
+        target_config = setup[3].target_config
+
+        def generate(self, prompts, *args, **kwargs):
+            prompts_seen.append(tok.decode(prompts[0]))
+            return argparse.Namespace(tokens=[answer_ids] * len(prompts))
+
+    example = Conversation(({"role": "user", "content": "one"}, {"role": "assistant", "content": "old"},
+                            {"role": "user", "content": "two"}))
+    stats = RegenerateStats()
+    rows = answer_shard(FixedDecoder(), tok, [example], 0, 0, batch_size=1, max_new_tokens=64,
+                        sampling=SamplingConfig(), stop_tokens=[stop], seed=0, use_chat_template=True,
+                        enable_thinking=False, stats=stats, progress=_Progress(1, 0, enabled=False))
+    answer = {"role": "assistant", "content": "ok", "thinking": "r"}
+    assert rows[0]["messages"] == [{"role": "user", "content": "one"}, answer, {"role": "user", "content": "two"},
+                                   answer] and not stats.warnings
+    assert prompts_seen[1].endswith("<|channel|>final<|message|>ok<|end|><|start|>user<|message|>two<|end|>"
+                                    "<|start|>assistant")
+    ids, mask, _ = encode_example(tok, Conversation(tuple(rows[0]["messages"])), 512)
+    n = len(answer_ids)
+    assert ids[-n:].tolist() == answer_ids and mask[-n:].all() and not mask[-n - 1]
+    assert tok.decode(ids[:-n]).endswith("<|start|>user<|message|>two<|end|><|start|>assistant")

@@ -2,7 +2,8 @@
 
 Layouts (one JSON object per line, ``.gz`` allowed; blank lines ignored; unknown extra keys ignored):
 
-- ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI / Hugging Face chat)
+- ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI / Hugging Face chat; an assistant message's
+  ``thinking``, the field gpt-oss's template renders as its analysis channel, is kept)
 - ``{"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}`` (ShareGPT; ``role``/``content``
   inside are accepted too)
 - ``{"prompt": ..., "response": ...}``: the prompt may be named ``instruction`` or ``question`` (an Alpaca
@@ -45,7 +46,8 @@ class RowError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Conversation:
-    """Messages ``{"role": "system"|"user"|"assistant", "content": str}``: an optional system message first,
+    """Messages ``{"role": "system"|"user"|"assistant", "content": str}`` (an assistant message may also hold
+    ``"thinking"``: the reasoning a template such as gpt-oss's renders before the answer): an optional system message first,
     then user and assistant turns alternating, starting with a user turn. It may end with a user turn (a
     prompt not yet answered)."""
 
@@ -96,7 +98,10 @@ def _message(raw: Any, index: int) -> dict:
         raise RowError(f"message {index} has no 'role' (or 'from') string")
     if role.lower() not in ROLE_ALIASES:
         raise RowError(f"message {index} has unknown role {role!r} (expected one of {', '.join(ROLE_ALIASES)})")
-    return {"role": ROLE_ALIASES[role.lower()], "content": _content(content, f"message {index} content")}
+    message = {"role": ROLE_ALIASES[role.lower()], "content": _content(content, f"message {index} content")}
+    if "thinking" in raw and message["role"] == "assistant":  # gpt-oss's analysis channel, as its template takes it
+        message["thinking"] = _content(raw["thinking"], f"message {index} 'thinking'")
+    return message
 
 
 def check_turn_order(messages: list[dict]) -> None:

@@ -40,7 +40,7 @@ from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
 from dflash_jax.fileio import atomic_write
 
-FORMAT_VERSION = 2  # 2: answers keep the special tokens the target generated (1 dropped them)
+FORMAT_VERSION = 2  # 2: answers keep the special tokens the target generated (1 dropped them); harmony split
 
 
 @dataclasses.dataclass
@@ -198,6 +198,29 @@ def first_prompt_ids(tokenizer: Any, example: Example, use_chat_template: bool =
     return _prompt_ids(_job(0, example), 0, tokenizer, use_chat_template, enable_thinking)
 
 
+# gpt-oss's harmony format: an answer generated after ``<|start|>assistant`` is its analysis channel, then the
+# final one. Its chat template refuses these markers in a message's content and takes the analysis as a
+# ``thinking`` field instead (rendered only before the conversation's last answer, as in training).
+HARMONY_ANALYSIS, HARMONY_FINAL = "<|channel|>analysis<|message|>", "<|channel|>final<|message|>"
+HARMONY_NEXT = "<|end|><|start|>assistant"
+
+
+def assistant_message(answer: str) -> dict:
+    """The message of a generated answer: a harmony answer of exactly ``[analysis, then] final`` becomes
+    ``{"thinking": analysis, "content": final}`` (the template renders it back to the same text); anything
+    else (other text, tool calls, other channels) stays as generated, in ``content``."""
+    thinking, content = None, None
+    if answer.startswith(HARMONY_FINAL):
+        content = answer[len(HARMONY_FINAL):]
+    elif answer.startswith(HARMONY_ANALYSIS):
+        thinking, sep, content = answer[len(HARMONY_ANALYSIS):].partition(HARMONY_NEXT + HARMONY_FINAL)
+        content = content if sep else None
+    parts = [p for p in (thinking, content) if p is not None]
+    if content is None or any(not p.strip() or "<|channel|>" in p or "<|end|>" in p for p in parts):
+        return {"role": "assistant", "content": answer}
+    return {"role": "assistant", "content": content, **({"thinking": thinking} if thinking is not None else {})}
+
+
 def _end(job: _Job) -> None:
     """End the conversation before the current turn (its prompt is too long or cannot be rendered, or its
     answer is empty)."""
@@ -254,7 +277,10 @@ def answer_shard(decoder: Any, tokenizer: Any, examples: Sequence[Example], shar
                     stats.answers += 1
                     stats.unfinished += int(not ended)
                     j.finished &= ended
-                    j.history.append({"role": "assistant", "content": answer})
+                    templated = (use_chat_template and getattr(tokenizer, "chat_template", None)
+                                 and not isinstance(j.example, PlainText))
+                    j.history.append(assistant_message(answer) if templated
+                                     else {"role": "assistant", "content": answer})
                     j.answers += 1
                     j.done = turn + 1 >= len(j.users)
                 finished += j.done
