@@ -245,8 +245,8 @@ def answer_shard(decoder: Any, tokenizer: Any, examples: Sequence[Example], shar
             try:
                 ids = _prompt_ids(j, turn, tokenizer, use_chat_template, enable_thinking)
             except Exception as e:  # noqa: BLE001 (templates raise their own messages, e.g. gpt-oss's)
-                # gpt-oss's template refuses an earlier answer that holds channel tokens (its analysis belongs
-                # in a `thinking` field): the answers so far are kept, the rest of the conversation is not.
+                # e.g. gpt-oss's template refuses an earlier answer with channel tags in its content (one that
+                # assistant_message could not split, such as a tool call): the answers so far are kept.
                 problem = f"the chat template failed ({type(e).__name__}: {e})"
             else:
                 if len(ids) + max_new_tokens <= max_positions:
