@@ -238,6 +238,7 @@ def answer_shard(decoder: Any, tokenizer: Any, examples: Sequence[Example], shar
     jobs = [_job(first_index + i, e) for i, e in enumerate(examples)]
     stops = {int(t) for t in stop_tokens}
     max_positions = decoder.target_config.max_position_embeddings
+    templated = bool(use_chat_template and getattr(tokenizer, "chat_template", None))  # as _prompt_ids decides
     turn = 0
     while active := [j for j in jobs if not j.done and turn < len(j.users)]:
         ready = []
@@ -277,10 +278,8 @@ def answer_shard(decoder: Any, tokenizer: Any, examples: Sequence[Example], shar
                     stats.answers += 1
                     stats.unfinished += int(not ended)
                     j.finished &= ended
-                    templated = (use_chat_template and getattr(tokenizer, "chat_template", None)
-                                 and not isinstance(j.example, PlainText))
-                    j.history.append(assistant_message(answer) if templated
-                                     else {"role": "assistant", "content": answer})
+                    chat = templated and not isinstance(j.example, PlainText)
+                    j.history.append(assistant_message(answer) if chat else {"role": "assistant", "content": answer})
                     j.answers += 1
                     j.done = turn + 1 >= len(j.users)
                 finished += j.done

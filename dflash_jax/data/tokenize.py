@@ -85,11 +85,14 @@ class SpanRenderer:
     use_chat_template: bool = True
     enable_thinking: bool = False
     specials: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()  # every added token (special or not) as text, longest first
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, use_chat_template: bool = True, enable_thinking: bool = False):
         use = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
-        return cls(tokenizer, use, enable_thinking, special_token_strings(tokenizer) if use else ())
+        added = sorted(getattr(tokenizer, "get_added_vocab", dict)(), key=len, reverse=True) if use else ()
+        return cls(tokenizer, use, enable_thinking, special_token_strings(tokenizer) if use else (),
+                   tuple(t for t in added if t))
 
     def spans(self, example: Example) -> tuple[list[int], list[Span]]:
         """(ids before the first span, the non-empty spans). A chat template writes any BOS it wants itself;
@@ -116,7 +119,11 @@ class SpanRenderer:
             return []
         placeholders = [dict(m, content=PLACEHOLDER.format(i)) if m["role"] == "assistant" else m
                         for i, m in enumerate(messages)]
+        # Per answer: its generation prompt, and the rendering that ends with it (cut at its placeholder).
         prompts = {i: self.render(placeholders[:i], generation_prompt=True) for i in answers}
+        ending = {i: self.render(placeholders[: i + 1], generation_prompt=False) for i in answers}
+        trained = {i: self.answer_text(messages[i]["content"], prompts[i], ending[i].split(PLACEHOLDER.format(i))[0])
+                   for i in answers}
         spans: list[Span] = []
         previous = None
         for i in answers:
@@ -124,32 +131,23 @@ class SpanRenderer:
                 spans.append((prompts[i], False))
             else:
                 end_of_turn, between = self.split_end_of_turn(self._after(prompts[i], previous))
-                spans += [(self.answer_text(placeholders, messages, previous, prompts[previous]) + end_of_turn, True),
-                          (between, False)]
+                spans += [(trained[previous] + end_of_turn, True), (between, False)]
             previous = i
-        end_of_turn, _ = self.split_end_of_turn(
-            self._after(self.render(placeholders[: previous + 1], generation_prompt=False), previous))
-        spans.append((self.answer_text(placeholders, messages, previous, prompts[previous]) + end_of_turn, True))
+        end_of_turn, _ = self.split_end_of_turn(self._after(ending[previous], previous))
+        spans.append((trained[previous] + end_of_turn, True))
         return spans
 
-    def answer_text(self, placeholders: list[dict], messages: list[dict], i: int, prompt: str) -> str:
-        """Answer ``i`` as the target produces it after its generation prompt: its content, preceded by any
-        header the template writes between that prompt and the content (harmony's
-        ``<|channel|>final<|message|>`` after ``<|start|>assistant``), unless the content already opens
-        with that header's first token (a Qwen3 answer regenerated with thinking on carries its own think
-        block where the template would write an empty one: adding it would put two). ``prompt``: answer
-        ``i``'s generation prompt."""
-        content = messages[i]["content"]
-        before = self.render(placeholders[: i + 1], generation_prompt=False).split(PLACEHOLDER.format(i))[0]
+    def answer_text(self, content: str, prompt: str, before: str) -> str:
+        """An answer as the target produces it after its generation ``prompt``: its ``content``, preceded by
+        any header the template writes between that prompt and the content (``before`` is the rendering up
+        to the content: harmony's ``<|channel|>final<|message|>`` after ``<|start|>assistant``), unless the
+        content already opens with that header's first token (a Qwen3 answer regenerated with thinking on
+        carries its own think block where the template would write an empty one: adding it would put two)."""
         if not before.startswith(prompt) or len(before) == len(prompt):
             return content  # no header, or a template whose history is not an extension of its prompt
         header = before[len(prompt):]
-        return content if content.startswith(self.leading_token(header)) else header + content
-
-    def leading_token(self, text: str) -> str:
-        """The added (special or not) token ``text`` starts with, longest first; else ``text`` itself."""
-        added = sorted(getattr(self.tokenizer, "get_added_vocab", dict)(), key=len, reverse=True)
-        return next((token for token in added if token and text.startswith(token)), text)
+        leading = next((token for token in self.added if header.startswith(token)), header)
+        return content if content.startswith(leading) else header + content
 
     @staticmethod
     def _after(text: str, index: int) -> str:
