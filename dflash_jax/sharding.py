@@ -48,10 +48,17 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"experts/down_proj$", ("experts", "mlp", "embed")),
     (r"experts/(gate|up)_proj_bias$", ("experts", "mlp")),
     (r"experts/down_proj_bias$", ("experts", "embed")),
-    # gpt-oss's MXFP4 experts kept packed (models/mxfp4): blocks [E, out, in/32, 16], scales [E, out, in/32];
-    # the rows are the output features, and the packed input axis stays whole (its bytes are decoded together).
-    (r"experts/(gate|up|down)_proj_blocks$", ("experts", "packed_rows", None, None)),
-    (r"experts/(gate|up|down)_proj_scales$", ("experts", "packed_rows", None)),
+    # gpt-oss's MXFP4 experts kept packed (models/mxfp4): blocks [E, out, in/32, 16], scales [E, out, in/32].
+    # gate/up: the rows (output features, the intermediate units) over every weight-splitting axis, the input
+    # groups whole. down: split like the float down_proj [E, I, H] is, its input I (here the groups of 32)
+    # over tensor and its rows H over fsdp, so that each tensor shard multiplies its own intermediate units
+    # and the partial sums reduce once, instead of gathering the decoded weights or the activations. A tensor
+    # axis that does not divide I/32 (gpt-oss: 90 groups; tensor 4 or 8) leaves the groups whole: replicated
+    # over tensor, still exact.
+    (r"experts/(gate|up)_proj_blocks$", ("experts", "packed_rows", None, None)),
+    (r"experts/(gate|up)_proj_scales$", ("experts", "packed_rows", None)),
+    (r"experts/down_proj_blocks$", ("experts", "embed", "mlp", None)),
+    (r"experts/down_proj_scales$", ("experts", "embed", "mlp")),
     (r"shared_expert_gate/kernel$", ("embed", None)),
     (r"self_attn/sinks$", ("heads",)),
     # Gated DeltaNet (hybrid targets): projections into the linear heads' channels over tensor (like an MLP's
@@ -80,8 +87,8 @@ LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tensor",
     "linear": "tensor",
     "experts": "expert",
-    # Packed MXFP4 rows (output features) over every weight-splitting axis: the input axis is stored in groups
-    # of 32 (90 groups for gpt-oss's 2880), which 8 devices do not divide; decoded weights are gathered at use.
+    # Packed MXFP4 gate/up rows (output features) over every weight-splitting axis: their input axis is stored
+    # in groups of 32 (90 groups for gpt-oss's 2880), which 8 devices do not divide.
     "packed_rows": ("fsdp", "tensor"),
     "features": None,
     "norm": None,
@@ -234,3 +241,16 @@ def global_batch_from_local(local: Mapping[str, np.ndarray], mesh: Mesh, global_
         shape = (global_batch,) + tuple(np.shape(array)[1:])
         out[name] = jax.make_array_from_process_local_data(sharding, np.asarray(array), shape)
     return out
+
+
+def kv_replicas(num_kv_heads: int, num_heads: int, mesh: Mesh | None) -> int:
+    """How many times to keep each KV head in a cache so that the heads split over the ``tensor`` axis: a model
+    with 4 KV heads (and 32 query heads) on ``tensor=8`` keeps each twice, and every device holds one head
+    instead of all four (replicated, the whole cache would sit on every device). 1 where the heads already
+    divide the axis, or where no whole number of copies makes them (the copies must also split each KV
+    head's group of query heads evenly)."""
+    tensor = int(mesh.shape.get("tensor", 1)) if mesh is not None else 1
+    if num_kv_heads >= tensor or tensor % num_kv_heads:
+        return 1
+    copies = tensor // num_kv_heads
+    return copies if (num_heads // num_kv_heads) % copies == 0 else 1

@@ -1,4 +1,4 @@
-"""Dispatch ``python -m infer [bench|speed|convert|demo] ...``; no subcommand means generate."""
+"""Dispatch ``python -m infer [bench|speed|plan|convert|demo] ...``; no subcommand means generate."""
 
 import sys
 
@@ -12,6 +12,8 @@ def main(argv: list[str] | None = None) -> int:
         from infer.bench import main as run
     elif sub == "speed":
         from infer.speed import main as run
+    elif sub == "plan":
+        from infer.plan import main as run
     elif sub == "demo":
         from infer.demo import main as run
     else:

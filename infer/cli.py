@@ -46,6 +46,15 @@ class UsageError(UserError):
 
 
 class Parser(argparse.ArgumentParser):
+    """Every command's parser: errors raise instead of exiting, and ``--no-compile-cache`` is always there."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--no-compile-cache", action="store_true",
+                          help="do not keep compiled programs on disk for the next run (default: kept under "
+                               "~/.cache/dflash_jax/xla; DFLASH_JAX_COMPILE_CACHE=0 also turns it off, "
+                               "DFLASH_JAX_COMPILE_CACHE=DIR moves it)")
+
     def error(self, message: str):  # argparse would print the usage and call sys.exit(2)
         raise UsageError(message)
 
@@ -73,6 +82,10 @@ def run_cli(parser: argparse.ArgumentParser, action: Callable[[argparse.Namespac
     except SystemExit as e:  # --help
         return int(e.code or 0) if not isinstance(e.code, str) else 2
     try:
+        if not getattr(args, "no_compile_cache", False):
+            from dflash_jax import compile_cache
+
+            compile_cache.enable()
         return int(action(args) or 0)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -103,12 +116,13 @@ def add_attention_arg(parser: argparse.ArgumentParser) -> None:
     from dflash_jax.models.attention_kernels import ATTENTION_KERNELS
 
     parser.add_argument("--attention", choices=ATTENTION_KERNELS, default="auto",
-                        help="attention kernel: auto (default; cuDNN's fused flash attention on a CUDA GPU with "
-                             "--dtype bfloat16, the loop elsewhere), loop (the portable chunked online softmax "
-                             "bounded by the live length), cudnn (CUDA GPUs only), pallas (dflash_jax's TPU kernel, "
-                             "not yet run on a TPU; off a TPU Pallas's interpreter, slow), xla (the fused kernels' "
-                             "form through XLA's reference implementation: a correctness check, slow on long "
-                             "caches)")
+                        help="attention kernel: auto (default: per platform, cuDNN's fused flash attention on "
+                             "a CUDA GPU with --dtype bfloat16 and xla there otherwise, dflash_jax's Pallas kernel "
+                             "on a TPU, the loop on a CPU: no accelerator runs a loop whose trip count depends on "
+                             "data), loop (the portable chunked online softmax bounded by the live length), cudnn "
+                             "(CUDA GPUs only), pallas (the TPU kernel; off a TPU Pallas's interpreter, slow), xla "
+                             "(the fused kernels' form through XLA's reference implementation: every cache slot, "
+                             "static shapes)")
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:

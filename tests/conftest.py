@@ -5,6 +5,9 @@ import socket
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The command lines keep compiled programs on disk by default; tests that call them must not write to the
+# user's cache (tests/test_compile_cache.py checks the cache itself in a temporary folder).
+os.environ["DFLASH_JAX_COMPILE_CACHE"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

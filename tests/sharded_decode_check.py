@@ -13,11 +13,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 import json  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dflash_jax.engine.decoder import Decoder  # noqa: E402
-from dflash_jax.engine.generate import DecodeSettings, generate  # noqa: E402
-from dflash_jax.engine.proposers import OracleProposer  # noqa: E402
+from dflash_jax.engine.generate import DecodeSettings, generate, jitted_functions  # noqa: E402
+from dflash_jax.engine.proposers import NoProposer, OracleProposer  # noqa: E402
 from dflash_jax.engine.sampling import SamplingConfig  # noqa: E402
 from dflash_jax.models.attention_kernels import Segment, attention_kernel, fused_attention  # noqa: E402
 from dflash_jax.sharding import make_mesh  # noqa: E402
@@ -30,7 +31,7 @@ rng = np.random.default_rng(0)
 prompts = [rng.integers(0, tc.vocab_size - 1, n).tolist() for n in (5, 13, 9, 21)]
 runs = {}
 specs = {}
-for name, spec in (("one", None), ("tensor2_data4", "data=4,tensor=2"), ("tensor8", "tensor=8"),
+for name, spec in (("one", None), ("tensor2_data4", "data=4,tensor=2"), ("tensor4_data2", "data=2,tensor=4"),
                    ("fsdp2_tensor2_data2", "data=2,fsdp=2,tensor=2")):
     mesh = make_mesh(spec) if spec else None
     decoder = Decoder(tc, tp, dc, dp, 8, mesh=mesh)
@@ -63,6 +64,14 @@ for name, spec in (("one", None), ("tensor2_data4", "data=4,tensor=2"), ("tensor
         kernel = "loop" if name == "one" else "pallas"
         r = Decoder(tc, tp, dc, dp, 8, mesh=mesh, attention=kernel).generate(prompts, 12)
         runs[f"{name}/short/{kernel}"] = {"tokens": r.tokens, "accept": r.accept_lengths}
+# 2 KV heads (of 4 query heads) on tensor=4: each head kept twice, so the target's cache splits over tensor (one
+# head per device) instead of sitting whole on every device. The prefill's output layout, compiled only.
+mesh = make_mesh("data=2,tensor=4")
+pre, _ = jitted_functions(tc, NoProposer(), DecodeSettings(8, mesh=mesh), 32, jnp.float32)
+tokens = jnp.zeros((2, 16), jnp.int32)
+layout = pre.lower(tp, *NoProposer().init(), tokens, jnp.array([5, 16]), jax.random.PRNGKey(0)).compile()
+keys = layout.output_shardings.cache.keys[0]
+cache_layout = {"spec": str(keys.spec), "shard": list(keys.shard_shape((2, 4, 32, 16)))}
 # The Pallas kernel under a mesh runs per shard: its compiled program moves no cache between devices (without
 # the mesh, XLA gathers the operands of the pallas_call onto every device).
 mesh = make_mesh("data=4,tensor=2")
@@ -74,4 +83,5 @@ for label, context_mesh in (("per_shard", mesh), ("no_mesh", None)):
     with attention_kernel("pallas", context_mesh):
         fn = jax.jit(lambda q, k, v, n: fused_attention(q, [Segment(k, v, n)], "pallas"))
         gathers[label] = fn.lower(q, kv, kv, lengths).compile().as_text().count("all-gather")
-print(json.dumps({"devices": jax.device_count(), "runs": runs, "param_specs": specs, "pallas_gathers": gathers}))
+print(json.dumps({"devices": jax.device_count(), "runs": runs, "param_specs": specs, "pallas_gathers": gathers,
+                  "tensor4_cache": cache_layout}))

@@ -34,5 +34,8 @@ def test_sharded_decoding_equals_one_device():
     assert out["pallas_gathers"]["per_shard"] == 0 < out["pallas_gathers"]["no_mesh"], out["pallas_gathers"]
     assert {a for row in runs["one/greedy/oracle"]["accept"] for a in row} >= {1, 2, 3}
     # The params really were split: MLP and attention over tensor, embeddings over fsdp where it divides.
-    assert any("tensor" in s for s in out["param_specs"]["tensor8"])
+    assert any("tensor" in s for s in out["param_specs"]["tensor4_data2"])
     assert any("fsdp" in s for s in out["param_specs"]["fsdp2_tensor2_data2"])
+    # Fewer KV heads (2) than tensor devices (4): each head kept twice, so the cache splits over tensor (one
+    # head per device of the 4 copies) instead of sitting whole on every device.
+    assert "tensor" in out["tensor4_cache"]["spec"] and out["tensor4_cache"]["shard"][1] == 1

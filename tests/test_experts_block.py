@@ -1,6 +1,6 @@
 """The expert FFN alone against transformers' own blocks, with weights copied in: Qwen3-Next's sparse MoE
 block (the shared expert scaled by ``sigmoid(shared_expert_gate(x))``, which Qwen3-Next and Qwen3.5-MoE
-targets reuse) on both compute paths. Tolerance 1e-5 absolute (fp32). The whole Qwen3-MoE and gpt-oss
+targets reuse) on all three compute paths. Tolerance 1e-5 absolute (fp32). The whole Qwen3-MoE and gpt-oss
 decoders are compared with transformers in tests/test_target_parity.py."""
 
 import numpy as np
@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 
-@pytest.mark.parametrize("path", ["dense", "grouped"])
+@pytest.mark.parametrize("path", ["dense", "grouped", "routed"])
 def test_shared_expert_block_matches_qwen3_next(path):
     from transformers import Qwen3NextConfig
 

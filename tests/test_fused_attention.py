@@ -6,8 +6,9 @@ the models and the engine, checked on CPU through XLA's implementation of the fu
   PyTorch parity tests cover), tolerance 1e-5 on logits and caches;
 - the shipped stories260K pair: identical tokens and acceptance lengths round by round with either kernel.
 
-cuDNN itself runs only on a CUDA GPU (``scripts/gpu_check.sh`` runs this module there); here its fallback is
-checked: ``auto`` on a GPU falls back to the loop where cuDNN refuses the shapes or is missing.
+cuDNN itself runs only on a CUDA GPU (``scripts/gpu_check.sh`` runs this module there); here ``auto``'s choice
+per platform is checked: on a GPU it falls back to ``xla`` (never the loop) where cuDNN refuses the shapes or is
+missing.
 """
 
 import functools
@@ -22,7 +23,8 @@ from dflash_jax.errors import UserError
 from dflash_jax.models import attention_kernels, layers
 from dflash_jax.models.cache import KVCache
 from dflash_jax.models.draft import DraftModel, init_draft_cache, shared_head
-from dflash_jax.models.attention_kernels import Segment, attention_kernel, fused_attention
+from dflash_jax.models.attention_kernels import Segment, attention_kernel, fused_attention, resolve_kernel
+from dflash_jax.platform import compiling_for
 from dflash_jax.models.target import TargetModel, init_cache
 from engine_tiny import tiny_draft, tiny_target
 
@@ -233,10 +235,11 @@ def test_pallas_kernel_in_bfloat16():
     np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
 
 
-def test_auto_falls_back_to_the_loop_where_cudnn_refuses(monkeypatch):
-    """``auto`` in bf16 on a GPU tries cuDNN; a NotImplementedError (shapes) or RuntimeError (no cuDNN) at
-    trace time selects the loop, whose result is then exactly the loop's. On a TPU ``auto`` is the loop (the
-    Pallas kernel is opt-in), and float32 never asks a kernel."""
+def test_auto_takes_each_platforms_kernel_and_never_the_loop_on_an_accelerator(monkeypatch):
+    """``auto`` per platform traced for (``platform.compiling_for``): on a GPU cuDNN in 16 bits, falling back to
+    ``xla`` (static shapes, never the data-dependent loop) where cuDNN refuses the shapes (NotImplementedError)
+    or is missing (RuntimeError), and ``xla`` in float32 without asking cuDNN; on a TPU the Pallas kernel; on a
+    CPU the loop. A fallback's result is exactly the ``xla`` kernel's."""
     rng = np.random.default_rng(4)
     q = jnp.asarray(rng.standard_normal((B, T, HQ, D)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((B, HKV, 24, D)), jnp.bfloat16) for _ in range(2))
@@ -246,7 +249,7 @@ def test_auto_falls_back_to_the_loop_where_cudnn_refuses(monkeypatch):
     def attend(query=q):
         return layers.cache_attention(query, k, v, visible, jnp.max(lengths), segments=[Segment(k, v, lengths)])
 
-    with attention_kernel("loop"):
+    with attention_kernel("xla"):
         want = np.asarray(attend(), np.float32)
     called = []
 
@@ -254,23 +257,75 @@ def test_auto_falls_back_to_the_loop_where_cudnn_refuses(monkeypatch):
         called.append(error)
         raise error("refused")
 
-    monkeypatch.setattr(attention_kernels.jax, "default_backend", lambda: "gpu")
-    for error in (NotImplementedError, RuntimeError):
-        monkeypatch.setitem(attention_kernels._KERNELS, "cudnn", functools.partial(refuse, error=error))
+    with compiling_for("gpu"):
+        for error in (NotImplementedError, RuntimeError):
+            monkeypatch.setitem(attention_kernels._KERNELS, "cudnn", functools.partial(refuse, error=error))
+            with attention_kernel("auto"):
+                np.testing.assert_array_equal(np.asarray(attend(), np.float32), want)
+        assert called == [NotImplementedError, RuntimeError]
+        assert resolve_kernel("auto", jnp.float32) == "xla"
+        with attention_kernel("auto"):
+            attend(q.astype(jnp.float32))  # would raise through ``refuse`` if cuDNN were asked
+    assert called == [NotImplementedError, RuntimeError]
+    with compiling_for("tpu"):
+        monkeypatch.setitem(attention_kernels._KERNELS, "pallas", functools.partial(refuse, error=NotImplementedError))
         with attention_kernel("auto"):
             np.testing.assert_array_equal(np.asarray(attend(), np.float32), want)
-    assert called == [NotImplementedError, RuntimeError]
-    with attention_kernel("auto"):
-        attend(q.astype(jnp.float32))  # would raise through ``refuse`` if cuDNN were asked
-    monkeypatch.setattr(attention_kernels.jax, "default_backend", lambda: "tpu")
-    monkeypatch.setitem(attention_kernels._KERNELS, "pallas", functools.partial(refuse, error=AssertionError))
-    with attention_kernel("auto"):
-        np.testing.assert_array_equal(np.asarray(attend(), np.float32), want)
-    assert called == [NotImplementedError, RuntimeError]
-    # Asked for by name, a kernel refusing the shapes is a clear error instead.
-    monkeypatch.setitem(attention_kernels._KERNELS, "pallas", functools.partial(refuse, error=NotImplementedError))
-    with attention_kernel("pallas"), pytest.raises(UserError, match="kernel 'pallas' cannot run this attention"):
-        attend()
+        assert called[-1] is NotImplementedError and len(called) == 3
+        # Asked for by name, a kernel refusing the shapes is a clear error instead.
+        with attention_kernel("pallas"), pytest.raises(UserError, match="kernel 'pallas' cannot run this attention"):
+            attend()
+    with compiling_for("cpu"):
+        assert resolve_kernel("auto", jnp.bfloat16) == "loop"
+
+
+def test_static_walk_off_the_cpu_has_no_data_dependent_loop():
+    """Without segments (a ring-bounded draft layer), a kernel other than the loop walks every slot in a static
+    number of chunks: the traced program holds no ``while`` (a ``scan`` at most), and the result equals the
+    live-length loop's."""
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((B, T, HQ, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, HKV, 40, D)), jnp.float32) for _ in range(2))
+    lengths = jnp.asarray([33, 7, 0], jnp.int32)
+    visible = lambda pos: jnp.broadcast_to(pos[None, None] < lengths[:, None, None], (B, T, pos.shape[0]))  # noqa: E731
+
+    def attend(live, kernel):  # the kernel is chosen at trace time: one traced function per kernel
+        with attention_kernel(kernel):
+            return layers.cache_attention(q, k, v, visible, live, chunk=16)
+
+    results, programs = {}, {}
+    for kernel in ("loop", "xla"):
+        fn = functools.partial(attend, kernel=kernel)
+        results[kernel] = np.asarray(jax.jit(fn)(jnp.max(lengths)))
+        programs[kernel] = str(jax.make_jaxpr(fn)(jnp.max(lengths)))
+    assert " while[" in programs["loop"] and " while[" not in programs["xla"]
+    np.testing.assert_allclose(results["xla"], results["loop"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_sinks_join_a_fused_kernel_through_its_log_sum_exp(kernel):
+    """gpt-oss's sinks (one logit per query head in every softmax's denominator) folded in after the kernel
+    equal a float64 NumPy softmax with the sink as one more key of value zero (tolerance 1e-5)."""
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((B, T, HQ, D)).astype(np.float32)
+    cache = [rng.standard_normal((B, HKV, 24, D)).astype(np.float32) for _ in range(2)]
+    block = [rng.standard_normal((B, HKV, T, D)).astype(np.float32) for _ in range(2)]
+    sinks = rng.standard_normal(HQ).astype(np.float32) * 2
+    prefix, valid = np.array([20, 0, 9], np.int32), np.array([T, 3, 0], np.int32)
+    want = np.zeros(q.shape)
+    for b in range(B):
+        for h in range(HQ):
+            for t in range(T):
+                n_blk = min(valid[b], t + 1)
+                keys = np.concatenate([cache[0][b, h // 2, :prefix[b]], block[0][b, h // 2, :n_blk]]).astype(np.float64)
+                vals = np.concatenate([cache[1][b, h // 2, :prefix[b]], block[1][b, h // 2, :n_blk]]).astype(np.float64)
+                s = np.concatenate([keys @ q[b, t, h].astype(np.float64) * D**-0.5, [sinks[h]]])
+                w = np.exp(s - s.max())
+                want[b, t, h] = (w / w.sum())[:-1] @ vals
+    got = jax.jit(lambda: fused_attention(jnp.asarray(q), [Segment(*map(jnp.asarray, cache), jnp.asarray(prefix)),
+                                                          Segment(*map(jnp.asarray, block), jnp.asarray(valid), True)],
+                                          kernel, jnp.asarray(sinks)))()
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_kernel_names_are_refused():

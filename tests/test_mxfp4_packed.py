@@ -102,7 +102,7 @@ def test_packed_and_dequantized_logits_match_each_other_and_transformers(ckpts, 
     assert config_d.experts.weight_format == "float" and config_p.experts.weight_format == "mxfp4"
     rows = _batch(config_d.vocab_size)
     ours_d = _logits(config_d, params_d, rows)
-    for path in ("dense", "grouped"):
+    for path in ("dense", "grouped", "routed"):  # routed: only the routed experts' blocks decoded
         with force_expert_path(path):
             ours_p = _logits(config_p, params_p, rows)
         np.testing.assert_allclose(ours_p, ours_d, atol=1e-5, rtol=0)
@@ -140,15 +140,27 @@ def test_packed_params_are_uint8_at_4_25_bits_per_weight(loaded):
 
 def test_packed_params_have_sharding_rules(loaded):
     _, (_, params_p) = loaded
-    for name in ("gate", "up", "down"):
+    for name in ("gate", "up"):
         assert sharding.logical_axes(f"layers_0/mlp/experts/{name}_proj_blocks", 4) == (
             "experts", "packed_rows", None, None)
         assert sharding.logical_axes(f"layers_0/mlp/experts/{name}_proj_scales", 3) == ("experts", "packed_rows", None)
+    # down_proj [E, H rows, I/32 groups, 16]: split on its input (the groups) like the float down_proj [E, I, H].
+    down = sharding.logical_axes("layers_0/mlp/experts/down_proj_blocks", 4)
+    assert down == ("experts", "embed", "mlp", None)
+    assert sharding.logical_axes("layers_0/mlp/experts/down_proj_scales", 3) == ("experts", "embed", "mlp")
     # gpt-oss-120b's gate blocks [128, 2880, 90, 16] on fsdp=8: the rows split (90 input groups would not).
     from jax.sharding import PartitionSpec
     abstract_mesh = jax.sharding.AbstractMesh((1, 8, 1, 1), sharding.MESH_AXES)
     assert sharding.spec_for((128, 2880, 90, 16), ("experts", "packed_rows", None, None), abstract_mesh) == \
         PartitionSpec(None, "fsdp", None, None)
+    # Its down blocks on fsdp=4, tensor=2: the input groups over tensor and the rows over fsdp, the mesh axes of
+    # the float down_proj's I and H; tensor=8 does not divide the 90 groups, which then stay whole (replicated).
+    mesh_42 = jax.sharding.AbstractMesh((1, 4, 2, 1), sharding.MESH_AXES)
+    assert sharding.spec_for((128, 2880, 90, 16), down, mesh_42) == PartitionSpec(None, "fsdp", "tensor", None)
+    assert sharding.spec_for((128, 2880, 2880), sharding.logical_axes("layers_0/mlp/experts/down_proj", 3),
+                             mesh_42) == PartitionSpec(None, "tensor", "fsdp")
+    mesh_8 = jax.sharding.AbstractMesh((1, 1, 8, 1), sharding.MESH_AXES)
+    assert sharding.spec_for((128, 2880, 90, 16), down, mesh_8) == PartitionSpec(None, None, None, None)
     mesh = sharding.make_mesh(None, jax.devices()[:1])
     sharding.tree_shardings(params_p, mesh)  # every packed leaf matches a rule
 

@@ -310,7 +310,14 @@ def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings,
 def jitted_functions(target_config: TargetConfig, proposer, settings: DecodeSettings, slots: int, dtype,
                      state_shardings: Any = None):
     """Jitted prefill and decode loop for one configuration (not yet compiled: ``generate`` compiles them
-    ahead of time into its executable cache)."""
+    ahead of time into its executable cache). On a mesh whose tensor axis outnumbers the target's KV heads,
+    the caches keep each head ``sharding.kv_replicas`` times, so that they split over that axis."""
+    if settings.mesh is not None:
+        from dflash_jax import sharding
+
+        replicas = sharding.kv_replicas(target_config.num_key_value_heads, target_config.num_attention_heads,
+                                        settings.mesh)
+        target_config = dataclasses.replace(target_config, kv_replicas=replicas)
     pre = jax.jit(with_precision_policy(
         functools.partial(prefill, target_config, proposer, settings, slots, dtype=dtype), dtype, settings.attention,
         settings.mesh))

@@ -15,8 +15,14 @@ Each segment runs through the kernel, which also returns its log-sum-exp; segmen
   CPU in Pallas's TPU interpret mode, which is how it is tested.
 - ``xla``: the segments through XLA's reference implementation of the fused API (scores over all slots): a
   correctness check on any device, not a speed option.
-- ``auto``: ``cudnn`` on a CUDA GPU for 16-bit activations, where cuDNN accepts the shapes at trace time; the
-  loop otherwise (float32 runs, CPUs, TPUs: the Pallas kernel stays opt-in until it has run on a TPU).
+- ``auto``: per platform (``dflash_jax.platform.current_platform``, so a program compiled ahead of time for a
+  device this process does not have gets that device's choice): on a CUDA GPU ``cudnn`` for 16-bit
+  activations (where cuDNN accepts the shapes at trace time) and ``xla`` otherwise; on a TPU ``pallas``; on a
+  CPU the loop. So no accelerator program runs a loop whose trip count depends on data: such a loop costs a
+  device-to-host sync per trip on a GPU (10-20 us), in every layer of every round.
+
+Attention sinks (gpt-oss) join a fused kernel's result through its log-sum-exp: a sink is a key with a logit
+and no value, so it is one more part of the merge with weight ``exp(sink)`` and output zero.
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.errors import UserError
+from dflash_jax.platform import current_platform
 
 ATTENTION_KERNELS = ("auto", "loop", "cudnn", "pallas", "xla")
 _KERNEL = contextvars.ContextVar("attention_kernel", default="loop")
 _MESH = contextvars.ContextVar("attention_mesh", default=None)  # the mesh the traced program is sharded over
-_DEVICE_KERNEL = {"gpu": "cudnn"}  # what ``auto`` tries per backend
+# What ``auto`` takes per platform, for 16-bit and for other activations. Nothing on an accelerator falls to the
+# loop: ``xla`` (every slot, static shapes) is the fallback there.
+_DEVICE_KERNEL = {"gpu": ("cudnn", "xla"), "tpu": ("pallas", "pallas"), "cpu": ("loop", "loop")}
 
 
 class Segment(NamedTuple):
@@ -64,7 +73,7 @@ def ungroup_queries(x: jax.Array, t: int) -> jax.Array:
 def check_attention_kernel(name: str) -> str:
     if name not in ATTENTION_KERNELS:
         raise UserError(f"unknown attention kernel {name!r} (choose from {', '.join(ATTENTION_KERNELS)})")
-    backend = jax.default_backend()
+    backend = current_platform()
     if name == "cudnn" and backend != "gpu":
         raise UserError(f"attention kernel 'cudnn' needs a CUDA GPU; this process runs on {backend}")
     return name
@@ -83,12 +92,19 @@ def attention_kernel(name: str, mesh: Any = None) -> Iterator[None]:
 
 
 def resolve_kernel(name: str, dtype: Any) -> str:
-    """The kernel ``name`` means for activations of ``dtype`` on this backend (``auto`` resolved; where the
-    kernel then refuses the shapes at trace time, ``auto`` still falls back to the loop)."""
+    """The kernel ``name`` means for activations of ``dtype`` on the platform traced for (``auto`` resolved;
+    where the kernel then refuses the shapes at trace time, ``auto`` falls back to ``fallback_kernel``)."""
     if name != "auto":
         return name
     sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return _DEVICE_KERNEL.get(jax.default_backend(), "loop") if sixteen_bit else "loop"
+    choices = _DEVICE_KERNEL.get(current_platform(), ("loop", "loop"))
+    return choices[0] if sixteen_bit else choices[1]
+
+
+def fallback_kernel() -> str:
+    """What ``auto`` uses where its fused kernel refuses the shapes: the loop on a CPU, ``xla`` (static shapes,
+    no data-dependent loop) on accelerators."""
+    return "loop" if current_platform() == "cpu" else "xla"
 
 
 def active_kernel(dtype: Any) -> tuple[str, bool]:
@@ -234,19 +250,26 @@ def _per_shard(run, mesh):
     return sharded
 
 
+def group_sinks(sinks: jax.Array, hkv: int, t: int) -> jax.Array:
+    """Per-query-head sink logits ``[Hq]`` laid out like ``group_queries``' rows: ``[Hkv, G * T]``."""
+    return jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, -1), t, axis=1)
+
+
 _KERNELS = {"xla": _kernel_xla, "cudnn": _kernel_cudnn, "pallas": _kernel_pallas}
 
 
-def fused_attention(q: jax.Array, segments: Sequence[Segment], kernel: str) -> jax.Array:
+def fused_attention(q: jax.Array, segments: Sequence[Segment], kernel: str,
+                    sinks: jax.Array | None = None) -> jax.Array:
     """Softmax attention of ``q [B, T, Hq, D]`` over all ``segments`` jointly (a row's segment with no visible
-    key weighs nothing; a query seeing nothing gets zeros)."""
+    key weighs nothing; a query seeing nothing gets zeros). ``sinks [Hq]``: one logit per query head that joins
+    every softmax's denominator and adds no value (gpt-oss)."""
     t = q.shape[1]
     run = _KERNELS[kernel]
     if kernel == "pallas":
         # The Pallas kernel takes grouped rows [B, Hkv, G*T, D] (block position fastest, so row % T is the
         # query's block position for a causal segment); off a TPU it runs in interpret mode.
         query = group_queries(q, segments[0].keys.shape[1])
-        run = functools.partial(run, interpret=jax.default_backend() != "tpu")
+        run = functools.partial(run, interpret=current_platform() != "tpu")
         mesh = _MESH.get()
         if mesh is not None and mesh.size > 1:
             run = _per_shard(run, mesh)
@@ -259,6 +282,12 @@ def fused_attention(q: jax.Array, segments: Sequence[Segment], kernel: str) -> j
         seen = (seg.lengths > 0)[:, None, None]
         parts.append((jnp.where(seen[..., None], out.astype(jnp.float32), 0.0),
                       jnp.where(seen, lse.astype(jnp.float32), -jnp.inf), seen))
+    if sinks is not None:  # a key of logit ``sink`` and value zero, laid out like the query rows
+        hkv = segments[0].keys.shape[1]
+        rows = group_sinks(sinks, hkv, t) if kernel == "pallas" else jnp.repeat(
+            sinks.astype(jnp.float32)[:, None], t, axis=1)
+        lse = jnp.broadcast_to(rows[None], parts[0][1].shape)
+        parts.append((jnp.zeros_like(parts[0][0]), lse, jnp.ones(lse.shape, bool)))
     top = parts[0][1]
     for _, lse, _ in parts[1:]:
         top = jnp.maximum(top, lse)

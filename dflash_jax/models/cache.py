@@ -7,6 +7,13 @@ and value of the token at absolute position ``s``; ``lengths[b]`` counts the com
 Rejecting speculated tokens is just lowering ``lengths``: the stale slots are never visible (the attention
 mask hides slots at or past the length) and are overwritten by the next write.
 
+A sliding-window layer keeps a ring instead (``ring_slots``): position ``p`` at slot ``p % R`` with ``R =
+window - 1 + extension``, the window a query reaches back plus the widest forward that may be rolled back (the
+verify block). A write keeps only its last ``R`` positions (a long prefill chunk wraps around), and rollback is
+still only lowering ``lengths``: a rejected position overwrote a slot whose position lies before every window
+that can still be asked for. gpt-oss-120b at 131,072 positions keeps 256 slots in each of its 18 sliding
+layers instead of 131,072.
+
 Hybrid targets (Qwen3-Next, Qwen3.5) keep, for each Gated DeltaNet layer, a ``LinearState`` instead of
 keys and values, with the same contract: the state of a row IS a function of its length. A linear layer
 cannot overwrite a slot, so it keeps the state before its last extension (``start``) plus what that
@@ -79,7 +86,8 @@ class KVCache:
 
     @property
     def num_slots(self) -> int:
-        return self.keys[0].shape[2]
+        """The positions a row can hold: the full layers' slots (a windowed layer's ring may be smaller)."""
+        return max(k.shape[2] for k in self.keys)
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=lengths.astype(jnp.int32))
@@ -90,6 +98,12 @@ def lengths_after_write(lengths: jax.Array, positions: jax.Array, valid: jax.Arr
     discards anything speculative beyond it); rows with nothing valid keep their length."""
     last = jnp.max(jnp.where(valid, positions, -1), axis=1)
     return jnp.where(last >= 0, last + 1, lengths).astype(jnp.int32)
+
+
+def ring_slots(window: int, extension: int, slots: int) -> int:
+    """Slots of a sliding-window layer's ring: the ``window - 1`` positions before a forward's first query, plus
+    the ``extension`` a rolled-back forward may write past the committed length (never more than ``slots``)."""
+    return min(slots, window - 1 + extension)
 
 
 def write_slots(positions: jax.Array, valid: jax.Array, num_slots: int) -> jax.Array:

@@ -323,6 +323,15 @@ class TargetConfig:
     attention_output_gate: bool = False  # q_proj also yields a per-head gate: out * sigmoid(gate) before o_proj
     rotary_dim: int = 0  # RoPE rotates the first ``rotary_dim`` dims of each head (partial rotary); 0 = all
     zero_centered_norms: bool = False  # RMSNorm scales by (1 + w): the stored w starts at 0
+    # Not a checkpoint setting: each KV head is kept this many times in the cache, so that a model with fewer
+    # KV heads than the mesh's tensor axis still splits its cache over it (``sharding.kv_replicas``; the
+    # engine sets it). The projections are unchanged; the copies are made after them.
+    kv_replicas: int = 1
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """KV heads of a cache: the model's, each kept ``kv_replicas`` times."""
+        return self.num_key_value_heads * self.kv_replicas
 
     def is_expert_layer(self, i: int) -> bool:
         return i in self.expert_layers

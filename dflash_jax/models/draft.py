@@ -33,10 +33,11 @@ class SharedHead(NamedTuple):
 
 
 def head_logits(shared: SharedHead, x: jax.Array) -> jax.Array:
-    """The target's output head (tied or not) on final-normed hidden states ``[..., H]`` -> ``[..., V]``."""
+    """The target's output head (tied or not) on final-normed hidden states ``[..., H]`` -> ``[..., V]``, in
+    float32 like the target's (``TargetModel.unembed``)."""
     if shared.head_kernel is None:
-        return jnp.einsum("...h,vh->...v", x, shared.embedding.astype(x.dtype))
-    return x @ shared.head_kernel.astype(x.dtype)
+        return jnp.einsum("...h,vh->...v", x, shared.embedding.astype(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.matmul(x, shared.head_kernel.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 class DraftOutput(NamedTuple):

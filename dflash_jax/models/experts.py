@@ -1,15 +1,24 @@
 """The mixture-of-experts FFN of Qwen3-MoE, gpt-oss (and Qwen3-Next/Qwen3.5's shared-expert variant).
 
 Dropless and exact: every token goes to its ``top_k`` experts, no capacity factor, nothing dropped, so the
-target computes the same function as transformers' reference and DFlash stays lossless. Two ways to compute
-the routed experts give the same result (tested against each other):
+target computes the same function as transformers' reference and DFlash stays lossless. Three ways to compute
+the routed experts give the same result (tested against each other, tests/test_expert_paths.py):
 
 - ``dense``: every expert on every token, then each token keeps its k outputs (an einsum over all experts).
-  Exact and simple; the cheaper path on CPU where ``tokens * num_experts`` is small (tests, decoding).
+  Reads and computes all experts; exact and simple, the cheaper path on CPU for short prefill chunks.
 - ``grouped``: the (token, k) pairs sorted by expert and one grouped matmul (``jax.lax.ragged_dot``) per
-  projection, so the work follows ``tokens * top_k``: prefill and training at real sizes.
+  projection, so the FLOPs follow ``tokens * top_k``: prefill and training at real sizes. TPUs run
+  ``ragged_dot`` natively; XLA:GPU lowers it to one GEMM over ALL experts (the tokens broadcast to
+  ``[tokens, E, H]``) and XLA:CPU to one product per expert, so there it reads every expert like ``dense``.
+- ``routed``: each (token, k) pair through ITS expert's matrices (gathered, ``w[ids] -> [N * k, in, out]``,
+  or read one pair at a time by a dynamic slice, per platform) with matrix-vector products: reads only the
+  routed experts' weights on every backend, one expert per pair (repeats read again), so it pays for few
+  pairs: decoding and verification (a block of ~16 tokens, top-4 of 32-128 experts). With MXFP4 weights the
+  routed experts' uint8 blocks and scales are gathered first and only those are decoded (a round decodes
+  ``N * k`` experts, not ``E``).
 
-``expert_path`` chooses; ``force_expert_path`` pins one (tests, benchmarks).
+``expert_path`` chooses, per platform (``dflash_jax.platform.current_platform``) and static shape;
+``force_expert_path`` pins one (tests, benchmarks).
 
 Parameters (``[in, out]`` like Flax kernels, experts leading): ``gate/kernel [H, E]`` (Qwen3-MoE's router,
 ``router/kernel`` + ``router/bias`` for gpt-oss), ``experts/{gate,up}_proj [E, H, I]``,
@@ -19,15 +28,19 @@ Parameters (``[in, out]`` like Flax kernels, experts leading): ``gate/kernel [H,
 With ``ExpertsConfig.weight_format == "mxfp4"`` the three projections are instead kept packed as gpt-oss stores
 them (``models/mxfp4``: uint8, 4.25 bits per weight), rows = output features:
 ``experts/{gate,up}_proj_blocks [E, I, H/32, 16]`` + ``_scales [E, I, H/32]``, ``experts/down_proj_blocks
-[E, H, I/32, 16]`` + ``_scales [E, H, I/32]`` (biases stay float). ``ExpertWeights`` decodes them to the compute
-dtype inside the traced layer, so both paths above run unchanged on the decoded ``[E, in, out]`` weights.
+[E, H, I/32, 16]`` + ``_scales [E, H, I/32]`` (biases stay float). ``ExpertWeights`` declares them and returns
+a ``StackedExperts`` that decodes inside the traced layer, lazily per path: ``all()`` (dense, grouped) decodes
+every expert to ``[E, in, out]`` as the float params are; ``gathered`` / ``expert`` (routed) decode only the
+experts of the routed pairs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any
+import dataclasses
+import functools
+from typing import Any, Mapping, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -36,20 +49,50 @@ import jax.numpy as jnp
 from dflash_jax.models import mxfp4
 from dflash_jax.models.config import ExpertsConfig
 from dflash_jax.models.layers import MLP
+from dflash_jax.platform import current_platform
 
 GPT_OSS_ALPHA = 1.702  # gpt-oss's GLU uses x * sigmoid(1.702 x)
 # tokens * experts up to which CPU takes the dense path: a round number, not a measured crossover (measured on
 # this project's 2-core CPU at 1,280 tokens x 4 experts: dense 8.8 ms, grouped 10.4 ms for a 4-layer target).
 DENSE_LIMIT = 4096
+PATHS = ("dense", "grouped", "routed")
+
+# ``routed`` while tokens * top_k <= ROUTED_PAIRS_PER_EXPERT * num_experts, on every platform. Why 1:
+# - GPU (deviceless compile for an H200, gpt-oss-120b's layer: hidden 2880, E 128, top-4, bf16, 16 tokens =
+#   64 pairs): the gathered form fuses gather + product into one reduction that reads each pair's expert in
+#   place (float: 1 MB of temporaries; packed: gather, decode and product in one fusion, only the per-group
+#   scale factors written, 190 MB), while ``dense`` and ``grouped`` read all E (packed: decode all E to
+#   bf16 first, 2.2 GB written and read again per projection). Routed reads N k experts, repeats included:
+#   float breaks even at N k = E; packed routed moves ~6 bits per weight against dense's ~36, so it would
+#   still win past E, but its product runs on CUDA cores, not tensor cores: E kept, unmeasured on a device.
+# - CPU (this project's 2-core machine, shared, so minima of 7 calls; one expert layer at gpt-oss-20b-like
+#   shapes: hidden 2880, E 32, top-4, biases, clamped SwiGLU, intermediate 720/736 (a quarter of
+#   gpt-oss-20b's, to fit), fp32, jitted; ms dense / routed):
+#     float  tokens 1: 116 / 42   4: 286 / 120   8 (N k = E): 426 / 270   16: 494 / 535   32: 714 / 1131
+#     mxfp4  tokens 1: 908 / 109                 8 (N k = E): 1377 / 981
+#   so routed wins up to N k = E (float crosses between 1 and 2 E, packed near E).
+# - TPU: not measured (no TPU here; deviceless v5p compiles of every path relayout the stacked weights, which
+#   hides the difference): the bound of the GPU kept.
+ROUTED_PAIRS_PER_EXPERT = 1
+# The routed path's form (``routed_experts``) per (platform, packed weights): a loop over the pairs (True) or
+# one gather. The gather everywhere but for float weights on CPU: GPU fuses it (above; a loop would launch 3
+# small kernels per pair), and under a mesh XLA's partitioner splits a gather from expert- or fsdp-sharded
+# weights into local gathers and one all-reduce of the [N k, H] outputs, while the loop's dynamic slices
+# all-gather the whole stack of experts first (8-device compile of gpt-oss-width layers, expert=2, fsdp=2,
+# tensor=2). On one CPU the gathered float slices are copied, the cost that dominates there: one projection
+# at 32 pairs of the shapes above took 340 ms gathered vs 60-80 ms looped; packed, gathering uint8 is cheap
+# and the gathered decode is one vectorised loop (109 vs 219 ms looped at 1 token, 981 vs 1643 ms at 8).
+ROUTED_LOOP = {("cpu", False): True}
 
 _forced_path: contextvars.ContextVar[str | None] = contextvars.ContextVar("expert_path", default=None)
 
 
 @contextlib.contextmanager
 def force_expert_path(path: str | None):
-    """Trace expert layers with ``"dense"`` or ``"grouped"`` (None: choose by shape) inside the block."""
-    if path not in (None, "dense", "grouped"):
-        raise ValueError(f"expert path must be 'dense' or 'grouped', got {path!r}")
+    """Trace expert layers with ``"dense"``, ``"grouped"`` or ``"routed"`` (None: choose by shape) inside the
+    block."""
+    if path is not None and path not in PATHS:
+        raise ValueError(f"expert path must be one of {', '.join(map(repr, PATHS))} or None, got {path!r}")
     token = _forced_path.set(path)
     try:
         yield
@@ -57,31 +100,48 @@ def force_expert_path(path: str | None):
         _forced_path.reset(token)
 
 
-def expert_path(num_tokens: int, num_experts: int) -> str:
-    """The cheaper exact path for this many tokens (a static choice, made while tracing). On accelerators
-    always grouped: decoding is bound by reading weights, and the grouped matmul reads only the experts that
-    received tokens, while the dense path reads (and computes) all of them. On CPU, where XLA expands
-    ``ragged_dot`` into one product per expert over all rows, the dense path is cheaper up to
-    ``DENSE_LIMIT``; past it the grouped path bounds the ``[E, tokens, I]`` intermediates."""
+def expert_path(num_tokens: int, num_experts: int, top_k: int) -> str:
+    """The cheaper exact path for ``num_tokens`` tokens routed to ``top_k`` of ``num_experts`` experts, for the
+    platform being traced for (``current_platform``; a static choice made while tracing, which
+    ``force_expert_path`` overrides): ``routed`` while ``tokens * top_k <= ROUTED_PAIRS_PER_EXPERT *
+    num_experts`` (decoding and verification: reading weights is the cost, and routed reads only the chosen
+    experts'); past it, accelerators take ``grouped`` (TPU: native ``ragged_dot``; GPU: kept for now,
+    although XLA:GPU's ``ragged_dot`` computes every expert), CPU ``dense`` up to ``DENSE_LIMIT`` token x
+    expert pairs (XLA:CPU expands ``ragged_dot`` into one product per expert over all rows) and ``grouped``
+    past it, which bounds the ``[E, tokens, I]`` intermediates."""
     forced = _forced_path.get()
     if forced is not None:
         return forced
-    if jax.default_backend() != "cpu":
+    if num_tokens * top_k <= ROUTED_PAIRS_PER_EXPERT * num_experts:
+        return "routed"
+    if current_platform() != "cpu":
         return "grouped"
     return "dense" if num_tokens * num_experts <= DENSE_LIMIT else "grouped"
 
 
 def route(logits: jax.Array, cfg: ExpertsConfig) -> tuple[jax.Array, jax.Array]:
-    """Router logits ``[N, E]`` -> (weights ``[N, k]`` in the logits' dtype, expert ids ``[N, k]``)."""
-    if cfg.routing == "softmax_topk":  # Qwen3-MoE: softmax over all experts in float32, then the top k
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    """Router logits ``[N, E]`` -> (weights ``[N, k]`` in float32, expert ids ``[N, k]``), decided in float32.
+
+    ``Experts`` computes the logits with float32 accumulation (bf16 inputs give exact products), so top-k and
+    softmax never see logits rounded to the compute dtype. transformers rounds them first: Qwen3-MoE
+    (``Qwen3MoeTopKRouter``) softmaxes the compute-dtype logits in float32; gpt-oss (``GptOssTopKRouter``,
+    like OpenAI's reference) takes top-k of the compute-dtype logits and softmaxes them in that dtype. In
+    float32 (every parity test) both are the same function. In bfloat16 we deliberately differ on near ties:
+    bf16 keeps 8 significant bits, so with 32-128 experts two logits often round to the same value and the
+    choice then depends on the accumulation order of the router matmul, which differs between a decode step,
+    a verify block, a prefill chunk and a sharded layout; with float32 logits (16 more bits) such ties are
+    about 65,000 times rarer, so the same token picks the same experts in all of them (DFlash's lossless
+    check compares the target with itself), and those of the exact logits."""
+    logits = logits.astype(jnp.float32)
+    if cfg.routing == "softmax_topk":  # Qwen3-MoE: softmax over all experts, then the top k
+        probs = jax.nn.softmax(logits, axis=-1)
         weights, ids = jax.lax.top_k(probs, cfg.top_k)
         if cfg.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     else:  # gpt-oss: the top k raw logits, softmax over those k
         top, ids = jax.lax.top_k(logits, cfg.top_k)
-        weights = jax.nn.softmax(top.astype(jnp.float32), axis=-1)
-    return weights.astype(logits.dtype), ids
+        weights = jax.nn.softmax(top, axis=-1)
+    return weights, ids
 
 
 def activate(gate: jax.Array, up: jax.Array, cfg: ExpertsConfig) -> jax.Array:
@@ -92,8 +152,79 @@ def activate(gate: jax.Array, up: jax.Array, cfg: ExpertsConfig) -> jax.Array:
     return nn.silu(gate) * up
 
 
-def dense_experts(x, weights, ids, p, cfg: ExpertsConfig):
+@dataclasses.dataclass(frozen=True)
+class StackedExperts:
+    """One layer's expert params as declared (float ``[E, in, out]``, or packed MXFP4 blocks and scales, plus
+    gpt-oss's biases), decoded to ``dtype`` on demand by the path that uses them: ``all()`` every expert,
+    ``gathered`` / ``expert`` only the experts the routed path asks for."""
+
+    params: Mapping[str, jax.Array]
+    packed: bool
+    dtype: Any
+    name: str | None = None
+
+    def all(self) -> dict[str, jax.Array]:
+        """Every expert's weights ``[E, in, out]`` and biases ``[E, width]`` in ``dtype`` (packed: all decoded;
+        the decoded copy is a temporary of this layer, about one layer's experts alive at a time)."""
+        out = {}
+        for name, value in self.params.items():
+            if name.endswith("_scales"):
+                continue
+            if name.endswith("_blocks"):
+                proj = name[: -len("_blocks")]
+                out[proj] = mxfp4.dequantize_jax(value, self.params[f"{proj}_scales"], self.dtype,
+                                                 name=f"{self.name}/{proj}")
+            else:
+                out[name] = value.astype(self.dtype)
+        return out
+
+    def gathered(self, ids: jax.Array) -> dict[str, jax.Array]:
+        """The weights and biases of the experts ``ids`` (any shape ``S``; repeats gathered again), in ``dtype``:
+        ``[*S, in, out]``, packed ``[*S, out, in]`` (rows first, as stored: the uint8 blocks and scales of those
+        experts are gathered, then only they are decoded); biases ``[*S, width]``. ``matvec`` takes either."""
+        out = {}
+        for name, value in self.params.items():
+            if name.endswith("_scales"):
+                continue
+            if name.endswith("_blocks"):
+                proj = name[: -len("_blocks")]
+                out[proj] = mxfp4.dequantize_rows_jax(value, self.params[f"{proj}_scales"], self.dtype, ids=ids,
+                                                      name=f"{self.name}/{proj}")
+            else:
+                out[name] = jnp.take(value, ids, axis=0, mode="clip").astype(self.dtype)
+        return out
+
+    def expert(self, index: jax.Array) -> dict[str, jax.Array]:
+        """One expert's weights and biases (``index``: a traced scalar), by dynamic slicing: ``gathered`` of a
+        single id without a gather (XLA:CPU copies gathered slices; a dynamic slice is read in place)."""
+        out = {}
+        for name, value in self.params.items():
+            if name.endswith("_scales"):
+                continue
+            if name.endswith("_blocks"):
+                proj = name[: -len("_blocks")]
+                blocks = jax.lax.dynamic_index_in_dim(value, index, keepdims=False)
+                scales = jax.lax.dynamic_index_in_dim(self.params[f"{proj}_scales"], index, keepdims=False)
+                out[proj] = mxfp4.dequantize_rows_jax(blocks[None], scales[None], self.dtype,
+                                                      name=f"{self.name}/{proj}")[0]
+            else:
+                out[name] = jax.lax.dynamic_index_in_dim(value, index, keepdims=False).astype(self.dtype)
+        return out
+
+    def matvec(self, rows: jax.Array, w: jax.Array) -> jax.Array:
+        """``rows[..., :] @ W[...]`` for weights from ``gathered`` / ``expert`` (``[..., in]`` -> ``[..., out]``)."""
+        rows = rows.astype(self.dtype)
+        return jnp.einsum("...i,...oi->...o" if self.packed else "...i,...io->...o", rows, w)
+
+
+def _combine_matrix(weights, ids, num_experts):
+    """``[N, E]``: each token's weight for each expert, zero for the experts it did not choose."""
+    return jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=weights.dtype) * weights[..., None], axis=1)
+
+
+def dense_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig):
     """Every expert on every token ``x [N, H]``; each token sums its k outputs with their weights."""
+    p = experts.all()
     # x broadcast over the experts first: with "nh,ehi->eni" XLA:CPU copies every expert's weights transposed
     # on each call (gpt-oss-20b's shapes, 8 tokens: 1.25 s vs 0.14 s for gate + up, outputs equal to 6e-6).
     xe = jnp.broadcast_to(x, (cfg.num_experts,) + x.shape)
@@ -104,13 +235,12 @@ def dense_experts(x, weights, ids, p, cfg: ExpertsConfig):
     y = jnp.einsum("eni,eih->enh", activate(gate, up, cfg), p["down_proj"])
     if cfg.expert_bias:
         y = y + p["down_proj_bias"][:, None]
-    # [N, E]: each token's weight for each expert, zero for the experts it did not choose
-    combine = jnp.sum(jax.nn.one_hot(ids, cfg.num_experts, dtype=weights.dtype) * weights[..., None], axis=1)
-    return jnp.einsum("ne,enh->nh", combine, y)
+    return jnp.einsum("ne,enh->nh", _combine_matrix(weights, ids, cfg.num_experts), y)
 
 
-def grouped_experts(x, weights, ids, p, cfg: ExpertsConfig):
+def grouped_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig):
     """The (token, k) pairs sorted by expert, one ``ragged_dot`` per projection, outputs added back."""
+    p = experts.all()
     n, k = ids.shape
     flat = ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -129,16 +259,49 @@ def grouped_experts(x, weights, ids, p, cfg: ExpertsConfig):
     return jnp.zeros_like(x).at[token_of].add(y)
 
 
+def routed_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig, loop: bool | None = None):
+    """Each (token, k) pair through its own expert: ``x [N, H]``, ``ids [N, k]`` -> ``[N, H]``. Pair ``p`` is
+    token ``p // k``'s ``p % k``-th choice; an expert chosen by several tokens is read once per pair.
+
+    Two forms of the same products (``ROUTED_LOOP`` picks by platform and weight format; ``loop`` forces one):
+    gathered, every pair's matrices at once (``w[ids] -> [N * k, in, out]``; packed: the uint8 blocks and
+    scales gathered, then only they decoded) and one batched matrix-vector product per projection; or a
+    loop over the pairs (``lax.map``), each pair reading (and decoding) its expert by a dynamic slice."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)  # [P = N * k]
+    rows = jnp.repeat(x, k, axis=0)  # [P, H]
+    if loop is None:
+        loop = ROUTED_LOOP.get((current_platform(), experts.packed), False)
+
+    def pairs(rows, w):
+        gate, up = experts.matvec(rows, w["gate_proj"]), experts.matvec(rows, w["up_proj"])
+        if cfg.expert_bias:
+            gate, up = gate + w["gate_proj_bias"], up + w["up_proj_bias"]
+        y = experts.matvec(activate(gate, up, cfg), w["down_proj"])
+        return y + w["down_proj_bias"] if cfg.expert_bias else y
+
+    if loop:
+        y = jax.lax.map(lambda pair: pairs(pair[0], experts.expert(pair[1])), (rows, flat))
+    else:
+        y = pairs(rows, experts.gathered(flat))
+    return jnp.einsum("nk,nkh->nh", weights, y.reshape(n, k, -1).astype(weights.dtype))
+
+
+COMPUTE = {"dense": dense_experts, "grouped": grouped_experts, "routed": routed_experts}
+
+
 class ExpertWeights(nn.Module):
-    """The stacked expert weights (``[E, in, out]``, and gpt-oss's biases) as a dict in ``dtype``; with
-    ``config.weight_format == "mxfp4"`` declared packed (uint8 blocks and scales) and decoded here."""
+    """Declares the stacked expert params (float ``[E, in, out]``, or with ``config.weight_format ==
+    "mxfp4"`` packed uint8 blocks and scales; gpt-oss's biases) and returns them as a ``StackedExperts``
+    whose paths decode them to ``dtype`` inside the traced layer. The param tree (names, shapes, dtypes) is
+    what checkpoints and ``dflash_jax.sharding``'s rules expect."""
 
     config: ExpertsConfig
     hidden_size: int
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self) -> dict[str, jax.Array]:
+    def __call__(self) -> StackedExperts:
         cfg, h = self.config, self.hidden_size
         e, i = cfg.num_experts, cfg.intermediate_size
         if cfg.weight_format == "mxfp4":
@@ -153,13 +316,12 @@ class ExpertWeights(nn.Module):
         if cfg.expert_bias:
             for name, width in (("gate_proj_bias", i), ("up_proj_bias", i), ("down_proj_bias", h)):
                 p[name] = self.param(name, nn.initializers.zeros, (e, width), self.dtype)
-        return {name: value.astype(self.dtype) for name, value in p.items()}
+        return StackedExperts(p, cfg.weight_format == "mxfp4", self.dtype, self.name)
 
     def _packed(self, e: int, h: int, i: int) -> dict[str, jax.Array]:
-        """The MXFP4 params (uint8; zeros at init, i.e. all-zero weights: real values come from a checkpoint),
-        decoded to ``[E, in, out]`` in ``dtype``. The decode is part of this layer's traced computation: only
-        the packed bytes are persistent device memory, and the decoded copy is a temporary of this layer (XLA
-        frees it after the layer's matmuls, so about one layer's decoded experts are alive at a time)."""
+        """The MXFP4 params (uint8; zeros at init, i.e. all-zero weights: real values come from a checkpoint).
+        Decoding is part of the layer's traced computation (``StackedExperts``): only the packed bytes are
+        persistent device memory."""
         for what, size in (("hidden_size", h), ("intermediate_size", i)):
             if size % mxfp4.BLOCK_SIZE:
                 raise ValueError(f"MXFP4 expert weights need {what} to be a multiple of {mxfp4.BLOCK_SIZE}, "
@@ -169,7 +331,8 @@ class ExpertWeights(nn.Module):
             blocks_shape, scales_shape = mxfp4.packed_shapes(inn, width, e)
             blocks = self.param(f"{name}_blocks", nn.initializers.zeros, blocks_shape, jnp.uint8)
             scales = self.param(f"{name}_scales", nn.initializers.zeros, scales_shape, jnp.uint8)
-            out[name] = mxfp4.dequantize_jax(blocks, scales, self.dtype, name=f"{self.name}/{name}")
+            mxfp4.check_packed(blocks, scales, name=f"{self.name}/{name}")
+            out[f"{name}_blocks"], out[f"{name}_scales"] = blocks, scales
         return out
 
 
@@ -184,15 +347,55 @@ class Experts(nn.Module):
         cfg = self.config
         b, t, h = x.shape
         flat = x.reshape(-1, h)
+        # The router accumulates in float32 whatever the compute dtype (route() says why).
         router = nn.Dense(cfg.num_experts, use_bias=cfg.router_bias, dtype=self.dtype, param_dtype=self.dtype,
-                          name="router" if cfg.router_bias else "gate")
+                          name="router" if cfg.router_bias else "gate",
+                          dot_general=functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32))
         weights, ids = route(router(flat), cfg)
-        p = ExpertWeights(cfg, h, self.dtype, name="experts")()
-        compute = dense_experts if expert_path(b * t, cfg.num_experts) == "dense" else grouped_experts
-        out = compute(flat, weights, ids, p, cfg)
+        weights = weights.astype(self.dtype)  # the experts' outputs are combined in the compute dtype
+        experts = ExpertWeights(cfg, h, self.dtype, name="experts")()
+        path = expert_path(b * t, cfg.num_experts, cfg.top_k)
+        _note_reads(path, b * t, cfg, experts.params)
+        out = COMPUTE[path](flat, weights, ids, experts, cfg)
         if cfg.shared_intermediate_size:
             shared = MLP(cfg.shared_intermediate_size, False, self.dtype, self.dtype, name="shared_expert")(flat)
             gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
                             name="shared_expert_gate")(flat)
             out = out + jax.nn.sigmoid(gate) * shared
         return out.reshape(b, t, h)
+
+
+# ------------------------------------------------------------------ what a traced program's expert layers read
+
+
+class ExpertReads(NamedTuple):
+    """One traced expert layer: its experts, how many expert weight sets its path reads, how many (token,
+    expert) pairs its tokens are routed to, and the bytes of one expert's weights as stored."""
+
+    num_experts: int
+    experts_read: int
+    routed_pairs: int
+    bytes_per_expert: int
+
+
+_READS: contextvars.ContextVar[list | None] = contextvars.ContextVar("expert_reads", default=None)
+
+
+@contextlib.contextmanager
+def recording_reads():
+    """Collect an ``ExpertReads`` per expert layer traced inside the block (``aot.plan_decode``'s figures)."""
+    reads: list[ExpertReads] = []
+    token = _READS.set(reads)
+    try:
+        yield reads
+    finally:
+        _READS.reset(token)
+
+
+def _note_reads(path: str, num_tokens: int, cfg: ExpertsConfig, params: dict) -> None:
+    reads = _READS.get()
+    if reads is None:
+        return
+    per_expert = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) // cfg.num_experts
+    pairs = num_tokens * cfg.top_k
+    reads.append(ExpertReads(cfg.num_experts, pairs if path == "routed" else cfg.num_experts, pairs, per_expert))

@@ -47,6 +47,7 @@ import numpy as np
 
 from dflash_jax.models.cache import LinearState
 from dflash_jax.models.config import GatedDeltaNetConfig
+from dflash_jax.platform import current_platform
 
 Dtype = Any
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -167,13 +168,13 @@ def gated_delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, 
 def unit_lower_solve(lower: jax.Array, rhs: jax.Array, method: str | None = None) -> jax.Array:
     """``X`` with ``lower @ X = rhs`` for unit lower-triangular ``lower [..., C, C]`` and ``rhs [..., C, R]``.
 
-    ``method`` (default: by backend): ``"native"`` is ``lax.linalg.triangular_solve`` (cuBLAS on GPUs, the
+    ``method`` (default: by the platform traced for, ``current_platform``): ``"native"`` is ``lax.linalg.triangular_solve`` (cuBLAS on GPUs, the
     TPU compiler's own); ``"rows"`` is forward substitution, one row of ``X`` per ``fori_loop`` step
     (``x_i = b_i - L_i X``, the rows past ``i`` still zero), batched over everything in front. On XLA:CPU the
     native solve costs ~10 ms per 64x64 system (64 of them: 650 ms on a 2-core VM), the row loop ~1 ms for
     all 64 together, so it is CPU's default. Both are exact algorithms (``test_gated_deltanet`` compares them).
     """
-    method = method or ("rows" if jax.default_backend() == "cpu" else "native")
+    method = method or ("rows" if current_platform() == "cpu" else "native")
     if method == "native":
         return jax.lax.linalg.triangular_solve(lower, rhs, left_side=True, lower=True, unit_diagonal=True)
     if method != "rows":

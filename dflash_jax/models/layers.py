@@ -16,11 +16,17 @@ import numpy as np
 
 from dflash_jax.errors import UserError
 from dflash_jax.models.attention_kernels import (
-    Segment, active_kernel, fused_attention, group_queries, ungroup_queries,
+    Segment, active_kernel, fallback_kernel, fused_attention, group_queries, group_sinks, ungroup_queries,
 )
 from dflash_jax.models.config import RopeConfig
 
 Dtype = Any
+
+
+def float32_dot_general(*args, **kwargs) -> jax.Array:
+    """``lax.dot_general`` whose result stays in float32 (the products accumulate in float32 whatever the
+    operands' dtype): for layers whose outputs are decisions (output heads, routers)."""
+    return jax.lax.dot_general(*args, **kwargs, preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nn.Module):
@@ -152,11 +158,6 @@ def attention(q: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.A
     return out.astype(q.dtype)
 
 
-def group_sinks(sinks: jax.Array, hkv: int, t: int) -> jax.Array:
-    """Per-query-head sink logits ``[Hq]`` laid out like ``group_queries``' rows: ``[Hkv, G * T]``."""
-    return jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, -1), t, axis=1)
-
-
 KV_CHUNK = 256  # cache slots per step of the live-length attention loop
 
 
@@ -186,17 +187,27 @@ def cache_attention(
     ``segments`` describe the SAME attention as length-bounded key segments (the cache prefix every query
     sees, then the block's own keys), the form fused kernels take. When the trace runs under a fused kernel
     (``attention_kernels.attention_kernel``) and the caller gives them, the kernel replaces the loop.
-    ``sinks [Hq]`` join every softmax's denominator (gpt-oss); the fused kernels cannot express them, so
-    callers pass no ``segments`` for such layers (or for windowed ones). ``first_slot`` (traced scalar, a
-    sliding layer's lowest visible slot) lets the loop skip the chunks before it.
+    ``sinks [Hq]`` join every softmax's denominator (gpt-oss), in the loop and after a fused kernel alike.
+    ``first_slot`` (traced scalar, a bounded layer's lowest visible slot) lets the loop skip the chunks
+    before it.
+
+    Only the ``loop`` kernel (the CPU default) bounds the walk by the live length. Under any other kernel,
+    where no fused kernel applies (no ``segments``, or ``auto``'s kernel refused the shapes), the walk covers
+    every slot in a static number of chunks: more reads than the live length on a long, mostly empty cache,
+    but no loop whose trip count depends on data, which on a GPU costs a host sync per trip.
     """
-    kernel, fallback = active_kernel(q.dtype) if segments is not None else ("loop", False)
-    if kernel != "loop":
+    kernel, fallback = active_kernel(q.dtype)
+    if segments is not None and kernel != "loop":
         try:
-            return fused_attention(q, segments, kernel)
+            return fused_attention(q, segments, kernel, sinks)
         except (NotImplementedError, RuntimeError) as e:  # refused at trace time: shapes, no cuDNN (ROCm)
             if not fallback:
                 raise UserError(f"attention kernel {kernel!r} cannot run this attention: {e}") from e
+            kernel = fallback_kernel()
+            if kernel != "loop":
+                return fused_attention(q, segments, kernel, sinks)
+    if kernel != "loop" and not isinstance(live_slots, int):
+        live_slots, first_slot = k_cache.shape[2], None  # every slot, a static trip count
     b, t, hq, d = q.shape
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -247,6 +258,64 @@ def cache_attention(
     out = jnp.where(l[..., None] > 0, acc / jnp.maximum(l, 1e-30)[..., None], 0.0)
     out = ungroup_queries(out, t)
     return out.astype(q.dtype)
+
+
+WINDOW_QUERY_TILE = 256  # queries per step of a windowed layer's attention over a long block (prefill)
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_kv: tuple[jax.Array, jax.Array],
+                   positions: jax.Array, valid: jax.Array, lengths: jax.Array, window: int,
+                   sinks: jax.Array | None = None, tile: int = WINDOW_QUERY_TILE):
+    """A sliding-window layer's forward over its ring cache (``models/cache.ring_slots``): the attention of
+    ``q [B, T, Hq, D]`` and the cache with the block's ``k, v [B, T, Hkv, D]`` written. Returns ``(out,
+    (keys, values))``.
+
+    ``positions [B, T]`` are consecutive in each row from its first one (prefill chunks and rounds are), and
+    position ``p`` sits at slot ``p % R`` (``R`` the ring's slots; a full-length cache is the ring with ``R =
+    slots``). A query at ``p`` sees the keys at ``p - window < k <= p`` that exist, so the forward reads the
+    ``window - 1`` positions before its first query from the ring (before writing: a long prefill chunk
+    overwrites its own early positions) and lays them before the block's own keys: in that sequence, query
+    ``i`` sees keys ``i .. i + window - 1``, the same band in every row. Long blocks go by tiles of ``tile``
+    queries, each a static slice of ``window - 1 + tile`` keys. Shapes and the number of tiles (one in a
+    decode round) are static: no loop whose trip count depends on data, a cost that follows the window and
+    not the context. The write keeps a row's last ``R`` valid positions; ``lengths [B]``, the rows' lengths
+    after the block, say which those are."""
+    k_cache, v_cache = cache_kv
+    b, t = positions.shape
+    size = k_cache.shape[2]
+    before = window - 1
+    first = positions[:, 0]
+    held = first[:, None] - before + jnp.arange(before, dtype=first.dtype)[None]  # [B, W - 1] positions
+    take = jax.vmap(lambda cache, slots: cache[:, slots])
+    keys = jnp.concatenate([take(k_cache, held % size), to_cache_layout(k).astype(k_cache.dtype)], axis=2)
+    values = jnp.concatenate([take(v_cache, held % size), to_cache_layout(v).astype(v_cache.dtype)], axis=2)
+    exists = jnp.concatenate([held >= 0, valid], axis=1)  # [B, W - 1 + T]
+
+    c = min(t, tile)
+    tiles = -(-t // c)
+    if tiles * c != t:  # whole tiles: padded queries (and keys nothing sees) whose outputs are dropped
+        pad = tiles * c - t
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        keys, values = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (keys, values))
+        exists = jnp.pad(exists, ((0, 0), (0, pad)))
+    span = before + c
+    band = jnp.arange(span)[None, :] - jnp.arange(c)[:, None]  # key index - query index within a tile
+    band = (band >= 0) & (band < window)  # [c, span]: query i sees keys i .. i + W - 1
+
+    def one_tile(j):
+        start = j * c
+        sl = lambda x, n, axis: jax.lax.dynamic_slice_in_dim(x, start, n, axis=axis)  # noqa: E731
+        mask = band[None] & sl(exists, span, 1)[:, None, :]
+        return attention(sl(q, c, 1), [(sl(keys, span, 2), sl(values, span, 2), mask)], sinks=sinks)
+
+    if tiles == 1:
+        out = one_tile(0)
+    else:
+        out = jax.lax.map(one_tile, jnp.arange(tiles))  # [tiles, B, c, Hq, D], a static trip count
+        out = out.swapaxes(0, 1).reshape(b, tiles * c, *out.shape[3:])
+    keep = valid & (positions >= lengths[:, None] - size)
+    slots = jnp.where(keep, positions % size, size)
+    return out[:, :t], (write_rows(k_cache, k, slots), write_rows(v_cache, v, slots))
 
 
 def to_cache_layout(x: jax.Array) -> jax.Array:

@@ -48,6 +48,7 @@ __all__ = [
     "check_packed",
     "dequantize",
     "dequantize_jax",
+    "dequantize_rows_jax",
     "packed_expert_matmul",
     "packed_ragged_dot",
     "packed_nbytes",
@@ -230,6 +231,23 @@ def dequantize_jax(blocks, scales, dtype=jnp.bfloat16, *, name: str | None = Non
     ``dtype`` (same orientation and values as ``dequantize``). Shapes/dtypes are checked at trace time."""
     check_packed(blocks, scales, name=name)
     return jnp.swapaxes(_decode_jax(blocks, scales, dtype), -1, -2)
+
+
+def dequantize_rows_jax(blocks, scales, dtype=jnp.bfloat16, *, ids=None, name: str | None = None):
+    """Jittable decode in the stored orientation, rows = output features: ``blocks [E, out, in/32, 16]``,
+    ``scales [E, out, in/32]`` (uint8) -> ``[E, out, in]`` in ``dtype`` (``dequantize_jax`` transposed).
+
+    ``ids`` (integer, any shape ``S``): decode only those experts, ``-> [*S, out, in]``. The packed blocks and
+    scales are gathered FIRST (uint8, 4.25 bits per weight) and only the gathered copy is decoded, so the
+    decoded temporary holds ``prod(S)`` experts, not ``E`` (a decode step routing a few tokens to a few of
+    gpt-oss-120b's 128 experts decodes those, not all 128). Repeated ids are decoded once per occurrence.
+    Out-of-range ids are clamped, like any JAX gather: check them upstream."""
+    check_packed(blocks, scales, name=name)
+    if ids is not None:
+        ids = jnp.asarray(ids)
+        blocks = jnp.take(jnp.asarray(blocks), ids, axis=0, mode="clip")
+        scales = jnp.take(jnp.asarray(scales), ids, axis=0, mode="clip")
+    return _decode_jax(blocks, scales, dtype)
 
 
 def packed_expert_matmul(x, blocks, scales, *, dtype=None, precision=None, preferred_element_type=None,

@@ -22,12 +22,14 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.attention_kernels import Segment
-from dflash_jax.models.cache import KVCache, LinearState, lengths_after_write, write_slots
+from dflash_jax.models.cache import KVCache, LinearState, lengths_after_write, ring_slots, write_slots
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.experts import Experts
 from dflash_jax.models.gated_deltanet import GatedDeltaNet
 from dflash_jax.models.layers import (
-    MLP, RMSNorm, apply_rope, attention, cache_attention, rope_inv_freq, rope_scale, to_cache_layout, write_rows,
+    float32_dot_general,
+    MLP, RMSNorm, apply_rope, attention, cache_attention, rope_inv_freq, rope_scale, to_cache_layout,
+    ring_attention, write_rows,
 )
 
 
@@ -43,10 +45,13 @@ class TargetAttention(nn.Module):
     window: int | None = None  # keys visible iff 0 <= q_pos - k_pos < window
 
     @nn.compact
-    def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None):
+    def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None, lengths=None,
+                 valid=None):
         """``mask``: ``[B, T, T]`` without a cache; with one, ``visible(key_positions) -> [B, T, C]`` and the
-        ``live`` slot count that bounds the attention loop (``layers.cache_attention``), and ``spans``: the same
-        visibility as per-row counts ``(cache slots before the block, valid block tokens)`` for fused kernels."""
+        ``live`` slot count that bounds the attention loop (``layers.cache_attention``), ``spans``: the same
+        visibility as per-row counts ``(cache slots before the block, valid block tokens)`` for fused kernels,
+        ``lengths [B]``: the rows' lengths after the block, and ``valid [B, T]`` the real tokens (a windowed
+        layer's ring reads them)."""
         cfg = self.config
         b, t, _ = x.shape
         dense = lambda n, bias, name: nn.Dense(  # noqa: E731
@@ -72,26 +77,21 @@ class TargetAttention(nn.Module):
         rope = lambda a: jnp.concatenate(  # noqa: E731
             [apply_rope(a[..., :rot], positions, inv_freq, scale), a[..., rot:]], axis=-1)
         q, k = rope(q), rope(k)
+        if cfg.kv_replicas > 1:  # head h's copies side by side: query head j still reads its own KV head
+            k, v = (jnp.repeat(a, cfg.kv_replicas, axis=2) for a in (k, v))
         sinks = self.param("sinks", nn.initializers.zeros, (cfg.num_attention_heads,), self.dtype) \
             if cfg.attention_sinks else None
         window = self.window
         if cache_kv is not None:
-            k_all = write_rows(cache_kv[0], k, slots)
-            v_all = write_rows(cache_kv[1], v, slots)
-            new_kv = (k_all, v_all)
-            first_slot = None
-            if window is not None:
-                visible = mask
-
-                def mask(key_slot):  # noqa: F811 (the full-causal rule, narrowed to the window)
-                    return visible(key_slot) & (positions[:, :, None] - key_slot[None, None, :] < window)
-
-                first_slot = jnp.min(positions) - window + 1
-            # Fused kernels take key spans, which cannot say "window" or "sink": such layers use the loop.
-            segments = None if window is not None or sinks is not None else [
-                Segment(k_all, v_all, spans[0]), Segment(to_cache_layout(k), to_cache_layout(v), spans[1], causal=True)]
-            out = cache_attention(q, k_all, v_all, mask, live, segments=segments, sinks=sinks,
-                                  first_slot=first_slot)
+            if window is not None:  # a ring; only the positions the window reaches, whatever the context
+                out, new_kv = ring_attention(q, k, v, cache_kv, positions, valid, lengths, window, sinks)
+            else:
+                k_all = write_rows(cache_kv[0], k, slots)
+                v_all = write_rows(cache_kv[1], v, slots)
+                new_kv = (k_all, v_all)
+                segments = [Segment(k_all, v_all, spans[0]),
+                            Segment(to_cache_layout(k), to_cache_layout(v), spans[1], causal=True)]
+                out = cache_attention(q, k_all, v_all, mask, live, segments=segments, sinks=sinks)
         else:
             new_kv = None
             if window is not None:
@@ -111,9 +111,10 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None, valid=None,
-                 lengths=None):
+                 lengths=None, new_lengths=None):
         """``cache_kv``: this layer's cache, ``(keys, values)`` for attention or a ``LinearState`` for a Gated
-        DeltaNet (which reads ``valid`` and the rows' ``lengths`` instead of the attention masks)."""
+        DeltaNet (which reads ``valid`` and the rows' ``lengths`` instead of the attention masks);
+        ``new_lengths``: the rows' lengths after this forward."""
         cfg = self.config
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype,  # noqa: E731
                                     cfg.norm_weight_in_float32, cfg.zero_centered_norms, name=name)
@@ -125,7 +126,7 @@ class DecoderLayer(nn.Module):
                 new_kv = None
         else:
             mixed, new_kv = TargetAttention(cfg, self.dtype, cfg.window(self.index), name="self_attn")(
-                h, positions, mask, cache_kv, slots, live, spans)
+                h, positions, mask, cache_kv, slots, live, spans, new_lengths, valid)
         x = x + mixed
         h = norm("post_attention_layernorm")(x)
         if cfg.is_expert_layer(self.index):
@@ -148,8 +149,9 @@ class TargetModel(nn.Module):
         self.layers = [DecoderLayer(cfg, self.dtype, i) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, cfg.norm_weight_in_float32,
                             cfg.zero_centered_norms)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+        if not cfg.tie_word_embeddings:  # float32 logits (``unembed``)
+            self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                                    dot_general=float32_dot_general)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         return self.embed_tokens(tokens)
@@ -159,9 +161,12 @@ class TargetModel(nn.Module):
         return self.unembed(self.norm(hidden))
 
     def unembed(self, x: jax.Array) -> jax.Array:
-        """The output head alone (tied or not), on final-normed hidden states."""
+        """The output head alone (tied or not), on final-normed hidden states. The logits come out in float32
+        whatever the compute dtype (the products accumulate in float32 and are not rounded back): acceptance
+        and sampling decide on them, and a bfloat16 argmax flips near-ties that float32 keeps."""
         if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(x)
+            table = self.embed_tokens.embedding
+            return jnp.einsum("...h,vh->...v", x, table.astype(x.dtype), preferred_element_type=jnp.float32)
         return self.lm_head(x)
 
     def __call__(
@@ -188,7 +193,7 @@ class TargetModel(nn.Module):
         if valid is None:
             valid = jnp.ones(tokens.shape, bool)
         x = self.embed(tokens)
-        live = spans = None
+        live = spans = new_lengths = None
         if cache is not None:
             slots = write_slots(positions, valid, cache.num_slots)
             new_lengths = lengths_after_write(cache.lengths, positions, valid)
@@ -215,7 +220,8 @@ class TargetModel(nn.Module):
             if cache is not None:
                 layer_cache = cache.linear[linear_index[i]] if i in linear_index else (
                     cache.keys[attention_index[i]], cache.values[attention_index[i]])
-            x, new_kv = layer(x, positions, mask, layer_cache, slots, live, spans, valid, lengths)
+            x, new_kv = layer(x, positions, mask, layer_cache, slots, live, spans, valid, lengths,
+                              new_lengths if cache is not None else None)
             if isinstance(new_kv, LinearState):
                 new_linear.append(new_kv)
             elif new_kv is not None:
@@ -240,11 +246,19 @@ class TargetModel(nn.Module):
         return TargetOutput(logits, feats, new_cache)
 
 
-def init_cache(config: TargetConfig, batch: int, slots: int, dtype=jnp.float32, extension: int = 16) -> KVCache:
+def init_cache(config: TargetConfig, batch: int, slots: int, dtype=jnp.float32, extension: int = 16,
+               rings: bool = True) -> KVCache:
     """An empty cache of ``slots`` positions per row. ``extension``: the widest forward that must stay
-    rollback-able (the verify block; hybrid targets only: their linear layers keep that extension's terms)."""
-    cache = KVCache.create(len(config.attention_layers), batch, slots, config.num_key_value_heads,
-                           config.head_dim, dtype)
+    rollback-able (the verify block): hybrid targets' linear layers keep that extension's terms, and each
+    sliding-window layer keeps a ring of ``window - 1 + extension`` slots (``models/cache.ring_slots``;
+    ``rings=False``: every layer keeps all ``slots``, the same results at more memory)."""
+    def layer_slots(layer: int) -> int:
+        window = config.window(layer)
+        return ring_slots(window, extension, slots) if rings and window is not None else slots
+
+    shapes = [(batch, config.cache_kv_heads, layer_slots(i), config.head_dim) for i in config.attention_layers]
+    cache = KVCache(tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes),
+                    jnp.zeros((batch,), jnp.int32))
     la = config.linear_attention
     linear = tuple(LinearState.create(batch, extension, la.conv_kernel, la.conv_dim, la.num_v_heads, la.head_k_dim,
                                       la.head_v_dim, dtype) for _ in config.linear_layers)

@@ -1,0 +1,165 @@
+"""The engine compiled for an H200 and a TPU v5p on this CPU machine (``dflash_jax.aot``, the ``aot`` extra),
+and what those programs hold: XLA:GPU through the CUDA plugin and the TPU compiler through libtpu, from
+abstract parameters of tiny pairings (a dense Qwen3 target; a gpt-oss target with sliding windows, sinks and
+32 experts, float and packed MXFP4), in bfloat16 as a user would run them.
+
+Checked per device: no ``while`` loop inside a decode round (the traced program's outer loop body), the fused
+attention kernel in the compiled program (cuDNN's ``__cudnn$fmha`` on the GPU, a Pallas ``tpu_custom_call`` on
+the TPU), expert weight reads per round equal to the routed-only figure (a round of 8 tokens x top-2 = 16 of 32
+experts), float32 logits, and ``python -m infer plan``'s JSON and errors. The counters are shown to fail where
+they should: the CPU program's live-length loop counts one loop per layer. Skipped without the extra.
+"""
+
+import importlib.util
+import json
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from dflash_jax.aot import loops_per_round, plan_decode
+from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.draft_config import DraftConfig
+from draft_tiny import official_config
+
+HAVE_TPU = importlib.util.find_spec("libtpu") is not None
+HAVE_CUDA = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None and \
+    importlib.util.find_spec("nvidia.cuda_nvcc") is not None
+needs = {"h200": pytest.mark.skipif(not HAVE_CUDA, reason="the aot extra (CUDA plugin) is not installed"),
+         "v5p": pytest.mark.skipif(not HAVE_TPU, reason="the aot extra (libtpu) is not installed")}
+DEVICES = [pytest.param(d, marks=needs[d]) for d in ("h200", "v5p")]
+
+DENSE = dict(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+             max_position_embeddings=4096, tie_word_embeddings=False)
+GPT_OSS = dict(model_type="gpt_oss", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+               max_position_embeddings=4096, num_local_experts=32, num_experts_per_tok=2, sliding_window=32,
+               rope_theta=150000.0)
+
+
+def pairing(fields: dict, block: int = 8):
+    target = TargetConfig.from_dict(fields)
+    draft = DraftConfig.from_dict(official_config(
+        vocab_size=fields["vocab_size"], hidden_size=fields["hidden_size"], head_dim=64, num_attention_heads=4,
+        num_key_value_heads=2, block_size=block, num_target_layers=fields["num_hidden_layers"],
+        dflash_config={"target_layer_ids": [0, 2], "mask_token_id": fields["vocab_size"] - 1}))
+    return target, draft
+
+
+def plan(fields, device, **kw):
+    target, draft = pairing(fields)
+    return plan_decode(target, draft, batch=1, context=1024, max_new_tokens=64, dtype="bfloat16", device=device, **kw)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {}
+
+
+def cached(plans, key, fields, device, **kw):
+    if key not in plans:
+        plans[key] = plan(fields, device, **kw)
+    return plans[key]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_pairing_compiles_with_fused_attention_and_no_loop_in_a_round(plans, device):
+    p = cached(plans, ("dense", device), DENSE, device)
+    assert p["loops_per_round"] == 0 and p["prefill_loops"] == 0
+    kernel = {"h200": "cuDNN flash attention", "v5p": "Pallas/Mosaic TPU kernel"}[device]
+    # 4 target layers and 2 draft layers attend through the kernel, in prefill and in every round
+    assert p["fused_kernels"]["decode"].get(kernel, 0) >= 6 and p["fused_kernels"]["prefill"].get(kernel, 0) >= 4
+    assert p["expert_gib_per_round"] == 0 and p["routed_expert_gib_per_round"] == 0
+    # weights: the bfloat16 params of both models, exactly (target 4 layers + head; draft 2 layers + fc)
+    assert 0 < p["weights_gib"] < p["total_gib"] < p["device_memory_gib"] and p["fits"]
+
+
+@pytest.mark.parametrize("mxfp4", ["dequantize", "packed"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_gpt_oss_round_reads_only_routed_experts_and_runs_no_loop(plans, device, mxfp4):
+    """Windows (a bounded span), sinks (folded after the fused kernel) and experts (routed: 8 tokens x top-2
+    of 32) compile with no loop in a round; the experts one round reads are exactly the routed ones."""
+    p = cached(plans, ("gpt_oss", device, mxfp4), GPT_OSS, device, mxfp4=mxfp4)
+    assert p["loops_per_round"] == 0
+    assert p["routed_expert_gib_per_round"] > 0
+    assert p["expert_gib_per_round"] <= 1.5 * p["routed_expert_gib_per_round"]
+    if device == "h200":  # the full (unwindowed) layers take cuDNN even with sinks
+        assert p["fused_kernels"]["decode"].get("cuDNN flash attention", 0) >= 2
+
+
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_compiled_gpu_round_has_no_all_expert_broadcast(device):
+    """In the H200 decode loop no tensor spans all 32 experts and the verify tokens at once (the dense
+    ``ragged_dot`` expansion, ``bf16[32, 8, 64]``-like, that made every token multiply every expert); the
+    prefill (1024 tokens x top-2, the grouped path) still holds them, which shows the pattern matches."""
+    target, draft = pairing(GPT_OSS)
+    p = plan_decode(target, draft, batch=1, context=1024, max_new_tokens=64, dtype="bfloat16", device=device,
+                    keep_text=True)
+    pattern = r"bf16\[32,\d+,64\]"
+    assert not re.findall(pattern, p["_text"]["decode"])
+    assert re.findall(pattern, p["_text"]["prefill"])
+
+
+def test_cpu_program_counts_its_live_length_loops():
+    """The counter can fail: on the CPU the default attention walks the live length in a loop per layer
+    (4 target layers + 2 draft layers), and ``--attention xla`` removes them."""
+    target, draft = pairing(DENSE)
+    looped = plan_decode(target, draft, context=1024, max_new_tokens=64, dtype="float32", device="cpu")
+    static = plan_decode(target, draft, context=1024, max_new_tokens=64, dtype="float32", device="cpu",
+                         attention="xla")
+    assert looped["loops_per_round"] == 6 and static["loops_per_round"] == 0
+    assert looped["fits"] is None and looped["device_memory_gib"] is None
+
+
+def test_loops_per_round_reads_nested_while_loops():
+    import jax
+
+    def program(n):
+        def round_(c):
+            inner = jax.lax.fori_loop(0, c[0], lambda i, x: x + 1, 0)  # a traced trip count: a while
+            fixed = jax.lax.fori_loop(0, 3, lambda i, x: x + 1, 0)  # a static one: a scan
+            return c[0] + 1, c[1] + inner + fixed
+
+        return jax.lax.while_loop(lambda c: c[0] < n, round_, (0, 0))
+
+    assert loops_per_round(jax.make_jaxpr(program)(5)) == 1
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_infer_plan_cli_json_and_errors(device, capsys, tmp_path):
+    from infer.plan import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(DENSE))
+    assert main(["--target-config", str(cfg), "--device", device, "--context", "512", "--max-new-tokens", "32",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("weights_gib", "cache_gib", "temporaries_gib", "total_gib", "device_memory_gib", "loops_per_round",
+                "expert_gib_per_round", "routed_expert_gib_per_round"):
+        assert key in out
+    assert out["block_size"] == 1 and out["loops_per_round"] == 0  # the autoregressive baseline
+    assert main(["--target-config", str(cfg), "--device", "v9x"]) == 2
+    assert "unknown device 'v9x'" in capsys.readouterr().err
+    assert main(["--target-config", str(cfg), "--device", device, "--context", "16", "--max-new-tokens", "32"]) == 2
+    assert "context 16 must exceed max_new_tokens 32" in capsys.readouterr().err
+    assert main(["--target-config", str(cfg), "--mesh", "tensor=-1"]) == 2
+    assert "no -1" in capsys.readouterr().err
+
+
+def test_logits_are_float32_in_bfloat16():
+    """Decisions in float32: the target's and the draft's logits leave the head in float32 whatever the
+    compute dtype (a bfloat16 argmax flips near-ties)."""
+    import jax
+
+    from dflash_jax.checkpoints.hf_target import abstract_target_params
+    from dflash_jax.models.draft import SharedHead, head_logits
+    from dflash_jax.models.target import TargetModel
+
+    target, _ = pairing(DENSE)
+    params = abstract_target_params(target, jnp.bfloat16)
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    out = jax.eval_shape(lambda p: TargetModel(target, jnp.bfloat16).apply({"params": p}, tokens, tokens), params)
+    assert out.logits.dtype == jnp.float32
+    shared = SharedHead(jnp.zeros((256, 64), jnp.bfloat16), jnp.zeros((64, 256), jnp.bfloat16))
+    assert jax.eval_shape(head_logits, shared, jnp.zeros((1, 2, 64), jnp.bfloat16)).dtype == jnp.float32
