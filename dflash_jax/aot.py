@@ -312,6 +312,8 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
         "fused_kernels": kernels,
         "expert_gib_per_round": gib(read),
         "routed_expert_gib_per_round": gib(routed),
+        "expert_bytes_per_round": int(read),  # exact, for programs too small for a GiB figure
+        "routed_expert_bytes_per_round": int(routed),
         "compile_seconds": round(seconds, 1),
     }
     if keep_text:

@@ -30,10 +30,12 @@ def resolve_dtype(dtype: Any) -> Any:
 # runs): every matmul at full float32 precision, set explicitly, because the default on GPUs (TF32) and TPUs
 # (bf16 passes) is not float32 and would change greedy tokens against the CPU tests.
 def matmul_precision(dtype: Any) -> contextlib.AbstractContextManager:
-    """The matmul precision context of a computation in ``dtype``: HIGHEST for float32, the default else."""
+    """The matmul precision context of a computation in ``dtype``: HIGHEST for float32, DEFAULT else (set, not
+    inherited: a global "highest" would ask TPU kernels, ``ragged_dot``'s Mosaic lowering among them, for an
+    fp32 contraction of bfloat16 operands, which they refuse)."""
     if jnp.dtype(resolve_dtype(dtype)) == jnp.float32:
         return jax.default_matmul_precision("highest")
-    return contextlib.nullcontext()
+    return jax.default_matmul_precision("default")
 
 
 def with_precision_policy(fn: Callable, dtype: Any, attention: str | None = None, mesh: Any = None) -> Callable:

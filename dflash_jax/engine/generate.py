@@ -360,6 +360,9 @@ def _committed(state: LoopState) -> list[list[int]]:
     return [out[i, : num[i]].tolist() for i in range(out.shape[0])]
 
 
+SLOT_ALIGN = 16
+
+
 def prompt_width(longest: int, max_new_tokens: int, max_positions: int) -> int:
     """Padded prompt width for a batch: the power-of-two bucket, shrunk when padding alone would push the cache
     past ``max_positions`` (only the real prompt plus ``max_new_tokens`` must fit)."""
@@ -373,8 +376,10 @@ def prompt_width(longest: int, max_new_tokens: int, max_positions: int) -> int:
 
 def cache_slots(longest: int, max_new_tokens: int, block_size: int, max_positions: int) -> int:
     """Slots of the target and draft caches: the padded prompt, every new token, and one block of
-    speculation past the last committed token."""
-    return prompt_width(longest, max_new_tokens, max_positions) + max_new_tokens + block_size
+    speculation past the last committed token, rounded up to a multiple of ``SLOT_ALIGN`` (TPU kernels copy
+    cache chunks whose offsets must be whole (16, 128) tiles of bfloat16)."""
+    slots = prompt_width(longest, max_new_tokens, max_positions) + max_new_tokens + block_size
+    return -(-slots // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def bucket(n: int, smallest: int = 16) -> int:

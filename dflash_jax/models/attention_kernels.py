@@ -145,6 +145,33 @@ def _query_tile(rows: int) -> int | None:
     return next((d for d in range(PALLAS_Q_ROWS - PALLAS_Q_ROWS % TILE, 0, -TILE) if rows % d == 0), None)
 
 
+# Mosaic refuses dots whose key side is narrower than a sublane tile (seen: a causal segment of one key, the
+# autoregressive step, "vector.broadcast op failed to verify"); such segments are tiny and go to XLA.
+PALLAS_MIN_KEYS = 8
+
+
+def _grouped_xla(q, k, v, lengths, causal):
+    """``_kernel_pallas``'s result computed by XLA in its grouped layout (q ``[B, Hkv, G*T, D]``): for segments
+    too narrow for a TPU kernel."""
+    slots, d = k.shape[2], q.shape[-1]
+    s = jnp.einsum("bhrd,bhsd->bhrs", q, k, preferred_element_type=jnp.float32) * d**-0.5
+    key_pos = jnp.arange(slots)
+    visible = key_pos[None, None, None, :] < lengths[:, None, None, None]
+    if causal:
+        query_pos = jnp.arange(q.shape[2]) % slots
+        visible = visible & (key_pos[None, :] <= query_pos[:, None])[None, None]
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(visible, jnp.exp(s - m), 0.0)
+    denom = p.sum(-1, keepdims=True)
+    out = jnp.einsum("bhrs,bhsd->bhrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    seen = denom > 0
+    out = jnp.where(seen, out / jnp.where(seen, denom, 1.0), 0.0)
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), jnp.finfo(jnp.float32).min)
+    return out, lse[..., 0]
+
+
 def _kernel_pallas(q, k, v, lengths, causal, interpret: bool = False):
     """q ``[B, Hkv, G*T, D]`` (a group's query heads stacked, block position fastest), k/v ``[B, Hkv, S, D]``
     in HBM. One kernel instance per (row, KV head, query tile) walks the row's key chunks up to its length,
@@ -154,12 +181,16 @@ def _kernel_pallas(q, k, v, lengths, causal, interpret: bool = False):
 
     b, hkv, rows, d = q.shape
     slots = k.shape[2]
+    if slots < PALLAS_MIN_KEYS:
+        return _grouped_xla(q, k, v, lengths, causal)
     bq = _query_tile(rows)
     if bq is None:
         raise NotImplementedError(f"Pallas attention: {rows} query rows have no tile of <= {PALLAS_Q_ROWS}")
     # Chunks are whole tiles; the last one moves back to overlap the previous one instead of reaching past.
     bk = slots if slots < TILE else min(PALLAS_KV_CHUNK, slots - slots % TILE)
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    # explicit for 16-bit inputs too: a global "highest" default (the tests set one) asks Mosaic for an fp32
+    # contraction of bf16 operands, which it refuses
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     neg = jnp.finfo(jnp.float32).min
     scale = d**-0.5
 
