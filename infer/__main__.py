@@ -1,11 +1,19 @@
 """Dispatch ``python -m infer [bench|speed|plan|convert|demo] ...``; no subcommand means generate."""
 
+import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     sub = argv[0] if argv else None
+    if sub == "plan":
+        # A plan compiles for devices it does not start: JAX's own backend is the CPU, which also lets the CUDA
+        # plugin serve compile-only GPUs on a machine without one.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from dflash_jax.startup import start_jax
+
+    start_jax()
     if sub == "convert":
         from infer.convert import main as run
     elif sub == "bench":

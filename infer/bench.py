@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from dflash_jax.evaluation.bench import Journal, check_replay, markdown_table, run_bench, write_report
+from dflash_jax.evaluation.bench import BENCH_BUCKETS, Journal, check_replay, markdown_table, run_bench, write_report
 from dflash_jax.fileio import ensure_writable_dir
 from dflash_jax.evaluation.prompts import DATASETS, load_datasets, read_prompt_file
 from dflash_jax.errors import UserError
@@ -135,6 +135,8 @@ def bench_main(args: argparse.Namespace) -> int:
     paths = write_report(results, out_dir, meta)
     print(markdown_table(results))
     print()
+    print(f"programs compiled: {results['programs_compiled']} (4 per prompt width at most; widths "
+          f"{BENCH_BUCKETS[0]} x {BENCH_BUCKETS[1]}^i tokens)")
     for kind, path in paths.items():
         print(f"{kind:8s} {path}")
     return 0

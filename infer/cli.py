@@ -145,7 +145,12 @@ def setup_devices(args: argparse.Namespace) -> None:
             raise UserError(f"--cpu-devices must be positive, got {args.cpu_devices}")
         flags = os.environ.get("XLA_FLAGS", "")
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if not os.environ.get("JAX_PLATFORMS"):
+            os.environ["JAX_PLATFORMS"] = "cpu"
+            if "jax" in sys.modules:  # imported at start-up (dflash_jax.startup): its config read the env then
+                import jax
+
+                jax.config.update("jax_platforms", "cpu")
     explicit = [args.coordinator, args.num_processes, args.process_id]
     if any(v is not None for v in explicit):
         if any(v is None for v in explicit):

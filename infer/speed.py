@@ -35,8 +35,8 @@ from dflash_jax.models.attention_kernels import check_attention_kernel
 from dflash_jax.precision import resolve_dtype
 from dflash_jax.fileio import ensure_writable_dir, write_text_atomic
 from dflash_jax.evaluation.speed import (
-    PRESETS, SpeedSettings, dense_prefill_chunk, format_report, preset_configs, preset_description, preset_models,
-    run_speed,
+    CUT_PRESETS, PRESETS, SpeedSettings, dense_prefill_chunk, format_report, preset_configs, preset_description,
+    preset_models, run_speed,
 )
 from infer.cli import (
     Parser, UsageError, add_attention_arg, add_device_args, run_cli, seed_arg, setup_devices, widths_arg,
@@ -93,10 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="target depth for the cut mixture-of-experts presets (default: 2, which "
                              "fits a 23 GB CPU in float32; the "
                              "real depth, 48 or 24, measures the whole model); the draft keeps its depth")
-    parser.add_argument("--expert-path", choices=("auto", "dense", "grouped"), default="auto",
+    parser.add_argument("--expert-path", choices=("auto", "dense", "grouped", "routed"), default="auto",
                         help="how mixture-of-experts layers compute (models/experts.py): every expert on every "
-                             "token ('dense'), the routed (token, expert) pairs only ('grouped'), or by shape "
-                             "('auto', the engine's choice; default)")
+                             "token ('dense'), the (token, expert) pairs sorted into one grouped matmul "
+                             "('grouped'), each pair reading only its expert's weights ('routed'), or by platform "
+                             "and token count ('auto', the engine's choice; default)")
+    parser.add_argument("--mxfp4", choices=("dequantize", "packed"), default="dequantize",
+                        help="gpt-oss presets: experts as bfloat16/float32 weights ('dequantize', default) or kept "
+                             "as packed MXFP4 codes decoded inside the layer ('packed', how gpt-oss-120b fits one "
+                             "80-141 GB device)")
     parser.add_argument("--low-memory", action="store_true",
                         help="lower the peak memory on a CPU (for the real-width mixture-of-experts presets): "
                              "XLA:CPU's memory-minimising scheduler instead of the concurrency-optimised one, no "
@@ -185,22 +190,23 @@ def load_models(args: argparse.Namespace):
         if args.draft_layers is not None:
             raise UsageError("--draft-layers applies to the tiny/small presets only")
         if args.target_layers is not None:
-            raise UsageError("--target-layers applies to the cut presets only (qwen3-coder-30b-a3b, gpt-oss-20b)")
+            raise UsageError("--target-layers applies to the cut presets only (" + ", ".join(CUT_PRESETS) + ")")
         from dflash_jax.checkpoints.loading import load_draft_any, load_target_any
 
         from dflash_jax.checkpoints.hub import resolve_checkpoint
 
         ckpt = resolve_checkpoint(args.ckpt, args.ckpt_revision, "--ckpt")  # before the target's download
-        tc, tp = load_target_any(args.target, dtype=args.dtype, progress=True, revision=args.revision)
+        tc, tp = load_target_any(args.target, dtype=args.dtype, progress=True, revision=args.revision,
+                                 mxfp4=args.mxfp4)
         dc, dp = load_draft_any(ckpt, dtype=args.dtype, progress=True)
         dc.validate_against(tc, source=str(args.ckpt))
         return f"target {args.target}, draft {args.ckpt}", settings_of(args, dc.block_size), tc, tp, dc, dp
     if args.ckpt or args.revision or args.ckpt_revision:
         raise UsageError("--ckpt, --revision and --ckpt-revision go with --target, not with --preset")
-    _, dc = preset_configs(args.preset, args.block_size, args.draft_layers, args.target_layers)
+    _, dc = preset_configs(args.preset, args.block_size, args.draft_layers, args.target_layers, args.mxfp4)
     settings = settings_of(args, dc.block_size)
     tc, tp, dc, dp = preset_models(args.preset, args.block_size, settings.dtype, args.seed, args.draft_layers,
-                                   args.target_layers)
+                                   args.target_layers, args.mxfp4)
     title = f"preset {args.preset} (random weights: {preset_description(args.preset, args.target_layers)})"
     return title, settings, tc, tp, dc, dp
 

@@ -156,7 +156,7 @@ def bench_run(tmp_path_factory):
     config = DraftConfig.for_target(TargetConfig.from_json(target / "config.json"), num_layers=2,
                                     block_size=BLOCK, mask_token_id=0)
     draft = save_draft(config, init_draft_params(config, seed=0), work / "draft")
-    # Synthetic prompts sized so that every prompt (gsm8k, both MT-Bench turns) pads to the same 64-token
+    # Synthetic prompts sized so that every prompt (gsm8k, both MT-Bench turns) pads to the same 256-token
     # bucket: the baseline and DFlash then compile once each, which keeps this module fast.
     prompts = write_prompts(work / "prompts")
     out = work / "out"
@@ -202,6 +202,10 @@ def test_bench_end_to_end(bench_run):
     # The CLI printed the same table and the output paths.
     assert markdown_table({k: doc[k] for k in ("summary", "mean", "settings")}) in stdout
     assert str(out / "results.json") in stdout and str(out / "acceptance.png") in stdout
+    # Every prompt pads to the bench ladder's first width (256): at most 4 programs (fewer when this process
+    # compiled one of them before), counted and printed.
+    assert 0 < doc["programs_compiled"] <= 4
+    assert f"programs compiled: {doc['programs_compiled']} " in stdout
 
 
 def test_second_turn_follows_the_first_answer(bench_run):

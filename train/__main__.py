@@ -16,6 +16,9 @@ Each subcommand explains its flags with --help."""
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     sub = argv[0] if argv else None
+    from dflash_jax.startup import start_jax
+
+    start_jax()
     if sub == "regenerate":
         from train.regenerate import main as run
     elif sub == "fit":

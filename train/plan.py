@@ -11,6 +11,16 @@ backend that compiles it. To plan a multi-device mesh on a CPU-only machine, sim
 --cpu-devices N (N = the mesh size); the memory is then XLA:CPU's buffer assignment, a proxy for an
 accelerator's. The plan never starts devices of its own: without --cpu-devices a mesh larger than the
 machine is an error that says which flag to pass.
+
+To plan for an accelerator this machine does not have, pass --device (h100, h200, b200: XLA:GPU through the CUDA
+plugin; v5e, v5p, v6e or a TPU topology such as v5p:2x2x2: the TPU compiler through libtpu; needs the aot extra,
+pip install -e ".[aot]"). The step is then compiled by that device's compiler over a mesh of compile-only
+devices, as many as the mesh names (on a topology: all of its chips, a -1 axis taking the rest; on a bare
+name a -1 axis is 1), and the memory is that compiler's buffer assignment, compared with the device's memory.
+
+Example: the Qwen3-8B step on eight H200s, sharded over fsdp:
+
+    python -m train plan --pairing qwen3-8b-dflash-b16 --mesh fsdp=8 --device h200
 """
 
 from __future__ import annotations
@@ -25,11 +35,14 @@ from infer.cli import Parser, UsageError, add_device_args, run_cli, setup_device
 
 PROG = "python -m train plan"
 GIB = 1 << 30
+DEFAULT_MEMORY_GIB = 80
 PAPER = {"global_batch": 8, "seq_len": 3072, "num_anchors": 512, "anchor_chunk": 64, "accum_steps": 1,
          "dtype": "bfloat16"}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dflash_jax.aot import DEVICES
+
     parser = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                     epilog="Exit codes: 0 planned (whether or not it fits), 2 bad arguments or settings "
                            "(one 'error: ...' line on stderr).")
@@ -58,8 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--loss", choices=("ce", "kl", "ce+kl"),
                         help="training loss (default: the run config's, or ce); kl and ce+kl also run the "
                              "target's head over the labelled block positions, chunk by chunk")
-    parser.add_argument("--device-memory-gib", type=float, default=80.0, metavar="GIB",
-                        help="memory of one device to compare the total with (default 80)")
+    parser.add_argument("--device", metavar="DEVICE",
+                        help=f"compile for this device without having it: {', '.join(DEVICES)}, or a TPU topology "
+                             "such as v5p:2x2x2 (default: this machine's backend, as cpu)")
+    parser.add_argument("--device-memory-gib", type=float, metavar="GIB",
+                        help="memory of one device to compare the total with (default: the --device's, else 80)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     add_device_args(parser)
     return parser
@@ -157,7 +173,7 @@ def _settings(args: argparse.Namespace) -> dict:
             raise UsageError(f"--{key.replace('_', '-')} must be positive, got {s[key]}")
     if s["global_batch"] % s["accum_steps"]:
         raise UsageError(f"global batch {s['global_batch']} is not divisible by --accum-steps {s['accum_steps']}")
-    if args.device_memory_gib <= 0:
+    if args.device_memory_gib is not None and args.device_memory_gib <= 0:
         raise UsageError(f"--device-memory-gib must be positive, got {args.device_memory_gib}")
     if s["dtype"] == "auto":
         s["dtype"] = "bfloat16"  # what 'fit' computes in on an accelerator, the machine a plan is for
@@ -196,17 +212,68 @@ def _wanted_devices(spec) -> int | None:
     return math.prod(sizes) if all(n > 0 for n in sizes) else None
 
 
+def _device_of(args: argparse.Namespace) -> str | None:
+    """The accelerator --device names (None: compile on this machine's backend, also for --device cpu), after
+    checking it goes with the other device flags. Runs before JAX starts a backend."""
+    from dflash_jax.aot import DEVICES, TPU_KINDS
+
+    device = args.device
+    if device is None or device == "cpu":
+        return None
+    kind = device.split(":")[0]
+    if device not in DEVICES and not (kind in TPU_KINDS and ":" in device):
+        raise UsageError(f"unknown device {device!r} (choose from {', '.join(DEVICES)}, or a TPU topology such as "
+                         "v5p:2x2x2)")
+    if args.cpu_devices is not None:
+        raise UsageError(f"--cpu-devices simulates CPU devices, --device {device} compiles for compile-only {kind} "
+                         "devices (as many as --mesh names): pass one of them")
+    if args.coordinator or args.num_processes is not None or args.process_id is not None or args.distributed:
+        raise UsageError(f"--device {device} plans on this machine alone: drop the multi-process flags")
+    # The CUDA plugin serves compile-only GPUs only when JAX's own backend is the CPU (on a machine without a
+    # GPU its start-up check of the CUDA libraries would fail and unregister it); the plan runs nothing, so the
+    # CPU is all it needs. JAX is imported by now (the compile cache) but has not chosen a backend yet, so the
+    # setting still takes; an explicit JAX_PLATFORMS is left to the user, as 'infer plan' does.
+    import jax
+
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+    if jax.config.jax_compilation_cache_dir:
+        # The persistent cache would store the compile-only executable, but reading it back needs a client of
+        # that device ("PjRtCompiler must be constructed with a Client"): the next plan would warn and compile
+        # anyway. Off for this process (a plan compiles one program, once).
+        jax.config.update("jax_enable_compilation_cache", False)
+    return device
+
+
+def memory_limit(device_memory_gib: float | None, target=None) -> float:
+    """Bytes of one device to compare the plan with: --device-memory-gib, else the compiled-for device's
+    memory (``aot.CompileTarget.memory_bytes``), else 80 GiB (the goal of this project's plans)."""
+    if device_memory_gib is not None:
+        return device_memory_gib * GIB
+    if target is not None and target.memory_bytes:
+        return target.memory_bytes
+    return DEFAULT_MEMORY_GIB * GIB
+
+
 def plan_main(args: argparse.Namespace) -> int:
+    device = _device_of(args)
     setup_devices(args)
     s = _settings(args)  # configs are checked before JAX starts a backend
 
     import jax
 
     from dflash_jax.precision import resolve_dtype
-    from dflash_jax.training.plan import plan_step
+    from dflash_jax.training.plan import compile_devices, plan_step
     from dflash_jax.training.step import StepConfig, make_optimizer
 
-    mesh = _make_mesh(s["mesh"], args.cpu_devices)
+    target_devices = None
+    if device is None:
+        mesh = _make_mesh(s["mesh"], args.cpu_devices)
+    else:
+        from dflash_jax import sharding
+
+        sizes, target_devices = compile_devices(s["mesh"], device)
+        mesh = sharding.make_mesh(sizes, devices=target_devices.devices)
     batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if s["global_batch"] % batch_shards:
         raise UsageError(f"global batch {s['global_batch']} is not divisible by data x fsdp = {batch_shards} (the "
@@ -219,16 +286,18 @@ def plan_main(args: argparse.Namespace) -> int:
     optimizer, schedule = make_optimizer(total_steps=1000, **s["optimizer"])
     if not args.json:
         shown = ",".join(f"{a}={n}" for a, n in mesh.shape.items())
-        print(f"compiling the train step of {s['name']} for mesh {shown} ({mesh.devices.size} "
-              f"{jax.default_backend()} device(s)) ...", flush=True)
+        where = (f"{jax.default_backend()} device(s)" if target_devices is None else
+                 f"compile-only {target_devices.name} device(s)")
+        print(f"compiling the train step of {s['name']} for mesh {shown} ({mesh.devices.size} {where}) ...",
+              flush=True)
     result = plan_step(target, draft, step_cfg, mesh, s["global_batch"], s["seq_len"], resolve_dtype(s["dtype"]),
-                       optimizer, schedule)
-    limit = args.device_memory_gib * GIB
+                       optimizer, schedule, target=target_devices)
+    limit = memory_limit(args.device_memory_gib, target_devices)
     result.update(
         name=s["name"], dtype=s["dtype"], global_batch=s["global_batch"], seq_len=s["seq_len"],
         num_anchors=s["num_anchors"], anchor_chunk=min(s["anchor_chunk"], s["num_anchors"]),
         accum_steps=s["accum_steps"], loss=s["loss"], block_size=draft.block_size, num_draft_layers=draft.num_hidden_layers,
-        device_memory_gib=args.device_memory_gib, fits=result["resident_total_bytes"] <= limit,
+        device_memory_gib=limit / GIB, fits=result["resident_total_bytes"] <= limit,
     )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -244,8 +313,10 @@ def format_plan(r: dict) -> str:
     def row(label: str, n: int, sign: str = "") -> str:
         return f"  {label:<38}{sign + format(n / scale, '.2f'):>11}"
 
+    where = (f"{r['backend']} device(s)" if "device" not in r else
+             f"compile-only {r['device']} device(s), {r['backend']} compiler")
     lines = [
-        f"train step of {r['name']}: mesh {mesh} ({r['num_devices']} {r['backend']} device(s)), {r['dtype']}",
+        f"train step of {r['name']}: mesh {mesh} ({r['num_devices']} {where}), {r['dtype']}",
         f"  batch {r['global_batch']} x {r['seq_len']} tokens, {r['num_anchors']} anchors per sequence in chunks "
         f"of {r['anchor_chunk']}, block {r['block_size']}, {r['num_draft_layers']} draft layers, "
         f"{r['accum_steps']} accumulation step(s), loss {r['loss']}",
@@ -264,7 +335,7 @@ def format_plan(r: dict) -> str:
         row("total resident", r["resident_total_bytes"]),
     ]
     verdict = "fits" if r["fits"] else "does NOT fit"
-    lines.append(f"  -> {verdict} in {r['device_memory_gib']:g} GiB per device "
+    lines.append(f"  -> {verdict} in {r['device_memory_gib']:.4g} GiB per device "
                  f"({100 * r['resident_total_bytes'] / (r['device_memory_gib'] * GIB):.1f}%)")
     lines.append("     (inputs never read: target layers past the last feature layer, which jit drops from the "
                  "program but the trainer keeps on the device)")
@@ -278,7 +349,12 @@ def format_plan(r: dict) -> str:
     else:
         lines.append(f"XLA cost analysis: {r['flops']:.3e} FLOPs per device (counts each loop body once: the "
                      f"anchor-chunk and accumulation loops run it more often)")
-    if r["backend"] == "cpu":
+    if "device" in r:
+        kernels = ", ".join(f"{name} x{n}" for name, n in sorted(r["fused_kernels"].items())) or "none"
+        lines.append(f"fused kernels in the compiled step: {kernels}")
+        lines.append(f"memory: the {r['backend'].upper()} compiler's buffer assignment for {r['device']}, compiled "
+                     "without the device (not a measurement on one)")
+    elif r["backend"] == "cpu":
         lines.append("memory: XLA:CPU's buffer assignment, a proxy for an accelerator's, not a measurement of one")
     return "\n".join(lines)
 

@@ -8,6 +8,8 @@ own anchor, position, acceptance and done flag; finished rows keep computing but
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import time
@@ -382,13 +384,31 @@ def cache_slots(longest: int, max_new_tokens: int, block_size: int, max_position
     return -(-slots // SLOT_ALIGN) * SLOT_ALIGN
 
 
-def bucket(n: int, smallest: int = 16) -> int:
-    """Padded prompt width: the next power of two (at least ``smallest``). Every distinct width is a new
-    compilation (seconds on CPU, much more for an 8B model on an accelerator), while padding only costs
-    prefill work, so few coarse widths beat tight padding."""
-    width = smallest
+# (smallest width, growth factor) of the prompt-width ladder; ``prompt_buckets`` changes it for a block.
+_BUCKETS: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("prompt_buckets", default=(16, 2))
+
+
+@contextlib.contextmanager
+def prompt_buckets(smallest: int = 16, factor: int = 2):
+    """Pad prompts inside the block to the ladder ``smallest * factor**i``: a coarser ladder compiles fewer
+    programs (``infer bench`` takes 256 x 4: at most 4 widths up to 16k tokens) for more prefill padding."""
+    if smallest < 1 or factor < 2:
+        raise ValueError(f"prompt_buckets needs smallest >= 1 and factor >= 2, got {smallest}, {factor}")
+    token = _BUCKETS.set((int(smallest), int(factor)))
+    try:
+        yield
+    finally:
+        _BUCKETS.reset(token)
+
+
+def bucket(n: int, smallest: int | None = None) -> int:
+    """Padded prompt width: the next step of the ladder (powers of two from 16 unless ``prompt_buckets`` says
+    otherwise). Every distinct width is a new compilation (seconds on CPU, much more for an 8B model on an
+    accelerator), while padding only costs prefill work, so few coarse widths beat tight padding."""
+    first, factor = _BUCKETS.get()
+    width = first if smallest is None else smallest
     while width < n:
-        width *= 2
+        width *= factor
     return width
 
 
@@ -435,6 +455,12 @@ def _place_batch(batch: PaddedBatch, mesh: Any) -> PaddedBatch:
 # second call with the same shapes (the next benchmark sample) free.
 _EXECUTABLES: dict = {}
 _MAX_EXECUTABLES = 32
+_COMPILED = [0]  # programs this process has compiled (two per new signature: prefill and loop)
+
+
+def programs_compiled() -> int:
+    """How many programs (prefills and decode loops) the engine has compiled in this process."""
+    return _COMPILED[0]
 
 
 def _shapes(tree: Any) -> tuple:
@@ -469,6 +495,7 @@ def executables(target_config: TargetConfig, target_params: dict, proposer, prop
                                    jax.eval_shape(pre, target_params, consts, pstate, batch.tokens, batch.lengths, key),
                                    pre_c.output_shardings)
         loop_c = loop.lower(target_params, consts, state_shape, jnp.int32(0)).compile()
+        _COMPILED[0] += 2
         # The first execution of a fresh executable is several times slower on CPU (measured 27 vs 1.4 ms per
         # token); one round of warm-up keeps that out of the timings.
         warm = pre_c(target_params, consts, pstate, batch.tokens, batch.lengths, key)

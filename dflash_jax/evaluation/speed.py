@@ -110,6 +110,10 @@ CUT_PRESETS = {
         "gpt-oss-20b-dflash-b8", 2,
         "hidden 2880, 64/8 heads of 64, 32 experts top-4 of width 2880, sinks, window 128 on even layers, "
         "vocab 201088; draft 8 layers, block 8"),
+    "gpt-oss-120b": CutPreset(
+        "gpt-oss-120b-dflash-b10", 2,
+        "hidden 2880, 64/8 heads of 64, 128 experts top-4 of width 2880, sinks, window 128 on even layers, "
+        "vocab 201088; draft 8 layers, block 10"),
     # Hybrids: 4 layers keep one of each kind (three Gated DeltaNet layers, then a gated full-attention layer).
     "qwen3.5-4b": CutPreset(
         "qwen3.5-4b-dflash-b16", 4,
@@ -162,7 +166,20 @@ def cut_target(target: TargetConfig, draft: DraftConfig, layers: int) -> tuple[T
 
 
 def preset_configs(name: str, block_size: int | None = None, draft_layers: int | None = None,
-                   target_layers: int | None = None) -> tuple[TargetConfig, DraftConfig]:
+                   target_layers: int | None = None, mxfp4: str = "dequantize") -> tuple[TargetConfig, DraftConfig]:
+    target, draft = _preset_configs(name, block_size, draft_layers, target_layers)
+    if mxfp4 != "dequantize":
+        from dflash_jax.checkpoints.expert_layouts import with_mxfp4
+
+        try:
+            target = with_mxfp4(target, mxfp4, source=f"preset {name}")
+        except Exception as e:  # a CheckpointError about a checkpoint reads as a usage error here
+            raise UserError(str(e)) from None
+    return target, draft
+
+
+def _preset_configs(name: str, block_size: int | None = None, draft_layers: int | None = None,
+                    target_layers: int | None = None) -> tuple[TargetConfig, DraftConfig]:
     """Target and draft configs of a preset. Shape presets get a draft whose ``block_size`` is the requested
     block (default 16); pairing presets keep the released draft's config (block 16); cut presets keep the
     pairing's draft and cut the target to ``target_layers`` (default: the preset's)."""
@@ -203,9 +220,9 @@ def preset_configs(name: str, block_size: int | None = None, draft_layers: int |
 
 
 def preset_models(name: str, block_size: int | None = None, dtype: Any = jnp.float32, seed: int = 0,
-                  draft_layers: int | None = None,
-                  target_layers: int | None = None) -> tuple[TargetConfig, dict, DraftConfig, dict]:
-    target, draft = preset_configs(name, block_size, draft_layers, target_layers)
+                  draft_layers: int | None = None, target_layers: int | None = None,
+                  mxfp4: str = "dequantize") -> tuple[TargetConfig, dict, DraftConfig, dict]:
+    target, draft = preset_configs(name, block_size, draft_layers, target_layers, mxfp4)
     if block_size is not None and not 2 <= block_size <= draft.block_size:
         raise UserError(f"block_size {block_size} must be between 2 and the draft's block_size {draft.block_size}")
     target_params = random_params(abstract_target_params(target, dtype), seed,
@@ -336,6 +353,17 @@ def dense_prefill_chunk(tc: TargetConfig) -> int | None:
     while 2 * chunk * tc.experts.num_experts <= DENSE_LIMIT:
         chunk *= 2
     return chunk
+
+
+def device_peak_gib() -> float | None:
+    """The most memory the first local accelerator has held so far (``memory_stats``' peak), in GiB; None on a
+    CPU or where the runtime does not report it."""
+    device = jax.local_devices()[0]
+    if device.platform == "cpu":
+        return None
+    stats = device.memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
 
 
 def peak_rss_gib() -> float:
@@ -622,6 +650,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         "total_s": time.perf_counter() - t_start,
         "load_avg_1m_end": load_average(),
         "peak_rss_gib": peak_rss_gib(),
+        "device_peak_gib": device_peak_gib(),
     }
 
 
@@ -717,6 +746,9 @@ def format_report(r: dict, title: str = "") -> str:
         f"(1.0 would be free verification, as on a GPU at small batch); draft / verify = "
         f"{r['ratios']['draft_over_verify']:.2f}",
     ]
+    if r.get("device_peak_gib") is not None:
+        lines.append(f"Peak device memory: {r['device_peak_gib']:.1f} GiB (weights, caches and the largest "
+                     "program's temporaries; compare `python -m infer plan`)")
     if r.get("peak_rss_gib") is not None:
         lines.append(f"Peak resident memory of this process: {r['peak_rss_gib']:.1f} GiB "
                      "(building the models included)")

@@ -16,14 +16,18 @@ lowers and compiles it, and reads XLA's own accounting of the compiled per-devic
   jaxpr with every ``scan`` multiplied by its length.
 
 The figures are the compiling backend's: on CPU (``--xla_force_host_platform_device_count``) they are
-XLA:CPU's buffer assignment, a proxy for an accelerator's, not a measurement of one.
+XLA:CPU's buffer assignment, a proxy for an accelerator's, not a measurement of one. Given a
+``dflash_jax.aot.CompileTarget`` (``compile_devices``: compile-only H100/H200/B200 or TPU devices, no device
+needed), ``plan_step`` compiles with that device's own compiler instead, and the figures are its buffer
+assignment for that device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +44,7 @@ from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft import DraftModel
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.target import TargetModel
+from dflash_jax.platform import compiling_for
 from dflash_jax.training.checkpointing import abstract_like
 from dflash_jax.training.step import StepConfig, init_train_state, make_train_step
 
@@ -115,9 +120,73 @@ def matmul_flops(jaxpr: Any) -> tuple[int, bool]:
     return total, exact
 
 
+def _topology_chips(device: str) -> int | None:
+    """Chips a TPU topology name gives (``v5p:2x2x2`` -> 8); None for a bare device name or a malformed one
+    (``compile_target`` then says what is wrong with it)."""
+    _, sep, dims = device.partition(":")
+    if not sep:
+        return None
+    try:
+        sizes = [int(d) for d in dims.lower().split("x")]
+    except ValueError:
+        return None
+    return math.prod(sizes) if sizes and all(d > 0 for d in sizes) else None
+
+
+def compile_devices(spec: Any, device: str):
+    """The mesh sizes and the ``aot.CompileTarget`` of compile-only ``device`` devices for mesh ``spec``.
+
+    Nothing here has the devices, so their number comes from the mesh: the product of its sizes. A TPU
+    topology (``v5p:2x2x2``) is a slice the trainer would run on whole, so the mesh must cover its chips (as
+    ``train fit`` needs the mesh to cover ``jax.devices()``), and a ``-1`` axis (a run config's default
+    ``data: -1``) takes the rest of them; on a bare device name (``h200``, ``v5p``) a ``-1`` axis is 1, the
+    smallest mesh with the fixed axes, and no spec at all is one device."""
+    from dflash_jax.aot import compile_target
+
+    chips = _topology_chips(device)
+    if chips is not None:
+        try:
+            sizes = sharding.parse_mesh(spec, chips)
+        except UserError as e:  # say where the "available" devices come from
+            raise UserError(f"TPU topology {device!r} has {chips} chips: {e}") from None
+    elif not spec:
+        sizes = sharding.parse_mesh(None, 1)
+    else:
+        sizes = sharding.parse_mesh(spec, _fixed_product(spec))
+    target = compile_target(device, math.prod(sizes.values()))
+    return sizes, target
+
+
+def _fixed_product(spec: Any) -> int:
+    """Devices a mesh spec names with its ``-1`` axes taken as 1 (malformed specs: parse_mesh's errors)."""
+    items = spec.items() if not isinstance(spec, str) else (p.partition("=")[::2] for p in spec.split(","))
+    total = 1
+    for _, value in items:
+        try:
+            size = int(value)
+        except (TypeError, ValueError):
+            return 1  # parse_mesh names the bad size
+        total *= size if size > 0 else 1
+    return total
+
+
+def unused_inputs(jaxpr: Any) -> list[bool] | None:
+    """Per input of a (closed) jaxpr: whether jit drops it, the step never reading it. This is the dead-code
+    pass jit itself runs before compiling (``pe.dce_jaxpr``, which looks inside scans, remat and inner calls);
+    JAX exports no public form of it, so None where this JAX has none (the caller then falls back)."""
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    except Exception:  # a private API: moved or changed
+        return None
+    return [not u for u in used]
+
+
 def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: StepConfig, mesh: Mesh,
               global_batch: int, seq_len: int, dtype: Any, optimizer: optax.GradientTransformation,
-              schedule: Any = None) -> dict:
+              schedule: Any = None, target: Any = None) -> dict:
     """AOT-compile the train step for ``mesh`` from abstract shapes; per-device bytes, FLOPs, compile time.
 
     Returns a dict of plain numbers, bytes per device: ``argument_bytes``, ``output_bytes``, ``temp_bytes``,
@@ -131,6 +200,10 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
     anchor-chunk and accumulation loops) and ``matmul_flops`` (every matrix product of the global step,
     loops multiplied by their trip counts; ``matmul_flops_exact``). Also ``lower_seconds``,
     ``compile_seconds``, and the ``mesh``, ``num_devices`` and ``backend`` planned for.
+
+    ``target`` (a ``dflash_jax.aot.CompileTarget``, ``mesh`` built over its devices): compile for that device
+    instead of this process's backend; then ``backend`` is its platform (``gpu``, ``tpu``), and ``device``,
+    ``device_memory_bytes`` (None when unknown) and ``fused_kernels`` (of the compiled program) are added.
     """
     num_shards = int(np.prod([mesh.shape[a] for a in sharding.LOGICAL_TO_MESH["batch"]]))
     if global_batch % num_shards:
@@ -140,7 +213,16 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
         raise UserError(f"global batch {global_batch} is not divisible by accum_steps {step_cfg.accum_steps}")
     target_abstract = abstract_target_params(target_config, dtype)
     draft_abstract = abstract_draft_params(draft_config, jnp.float32)
-    with jax.set_mesh(mesh):
+    if target is None:
+        context, lowering = jax.set_mesh(mesh), {}
+    else:
+        # Traced as dflash_jax.aot.plan_decode traces for a device: under the abstract mesh, which is all the
+        # step's sharding constraints read and where a kernel that asks for the chip finds the device compiled
+        # for (not this CPU); compiling_for makes every per-platform choice (expert path, attention kernel,
+        # Gated DeltaNet form) the device's.
+        context = _device_context(mesh, target.platform)
+        lowering = {"lowering_platforms": (target.lowering,)}
+    with context:
         state_abstract = jax.eval_shape(lambda p: init_train_state(p, optimizer, 0), draft_abstract)
         state_sh = sharding.tree_shardings(state_abstract, mesh)
         target_sh = sharding.tree_shardings(target_abstract, mesh)
@@ -155,7 +237,7 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
         t0 = time.perf_counter()
         traced = train_step.trace(state_arg, target_arg, batch_arg)
         step_flops, flops_exact = matmul_flops(traced.jaxpr)
-        lowered = traced.lower()
+        lowered = traced.lower(**lowering)
         t1 = time.perf_counter()
         compiled = lowered.compile()
         t2 = time.perf_counter()
@@ -166,13 +248,27 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
     peak = int(getattr(mem, "peak_memory_in_bytes", 0) or 0) or None
     total = args + outs + temps - alias
     # jit drops arguments the step never reads (the target's layers past its last feature layer, its final
-    # norm); the trainer still holds them on the device, so they count towards what must fit
-    inputs = per_device_bytes((state_arg, target_arg, batch_arg))
-    dropped = max(0, inputs - args)
+    # norm); the trainer still holds them on the device, so they count towards what must fit. They are found
+    # in the traced program, not as inputs minus XLA's argument bytes: a TPU pads every array to its tiles,
+    # so its argument bytes exceed the inputs' own and that difference would hide the dropped ones.
+    flat_args = jax.tree.leaves((state_arg, target_arg, batch_arg))
+    inputs = per_device_bytes(flat_args)
+    unused = unused_inputs(traced.jaxpr)
+    if unused is not None and len(unused) == len(flat_args):
+        dropped = per_device_bytes([a for a, u in zip(flat_args, unused) if u])
+    else:
+        dropped = max(0, inputs - args)  # exact where arrays are not padded (CPU, GPU)
+    extra = {}
+    if target is not None:
+        from dflash_jax.aot import fused_kernels
+
+        extra = {"device": target.name, "device_memory_bytes": target.memory_bytes,
+                 "fused_kernels": fused_kernels(compiled.as_text())}
     return {
         "mesh": {a: int(mesh.shape[a]) for a in sharding.MESH_AXES},
         "num_devices": int(mesh.devices.size),
-        "backend": jax.default_backend(),
+        "backend": jax.default_backend() if target is None else target.platform,
+        **extra,
         "argument_bytes": args,
         "output_bytes": outs,
         "temp_bytes": temps,
@@ -191,3 +287,9 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
         "lower_seconds": t1 - t0,
         "compile_seconds": t2 - t1,
     }
+
+
+@contextlib.contextmanager
+def _device_context(mesh: Mesh, platform: str) -> Iterator[None]:
+    with compiling_for(platform), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        yield
