@@ -40,7 +40,7 @@ GIB = 2**30
 # Device memory of the TPU kinds (HBM per chip, Google's published figures); GPUs read theirs from the spec.
 TPU_KINDS = {"v5e": (16 * GIB, 2), "v5p": (95 * GIB, 3), "v6e": (32 * GIB, 2)}  # (memory, topology rank)
 GPU_SPECS = {"h100": "h100.txtpb", "h200": "h200.txtpb", "b200": "b200.txtpb"}
-DEVICES = ("cpu",) + tuple(GPU_SPECS) + tuple(TPU_KINDS)
+DEVICES = ("cpu", "local") + tuple(GPU_SPECS) + tuple(TPU_KINDS)
 AOT_HINT = 'install the aot extra (pip install -e ".[aot]")'
 
 
@@ -89,6 +89,15 @@ def compile_target(device: str, count: int = 1) -> CompileTarget:
             raise UserError(f"--device cpu: a mesh of {count} devices, but this process has {len(devices)} CPU "
                             f"devices (--cpu-devices {count})")
         return CompileTarget("cpu", "cpu", "cpu", tuple(devices[:count]), None)
+    if device == "local":  # the accelerators this process runs on (start JAX with their platform)
+        devices = jax.local_devices()
+        if len(devices) < count:
+            raise UserError(f"--device local: a mesh of {count} devices, but this process has {len(devices)}")
+        platform = devices[0].platform
+        stats = devices[0].memory_stats() or {} if platform != "cpu" else {}
+        lowering = {"gpu": "cuda"}.get(platform, platform)
+        return CompileTarget(f"local {devices[0].device_kind}", platform, lowering, tuple(devices[:count]),
+                             stats.get("bytes_limit"))
     if device not in DEVICES and not (kind in TPU_KINDS and ":" in device):
         raise UserError(f"unknown device {device!r} (choose from {', '.join(DEVICES)}, or a TPU topology such as "
                         "v5p:2x2x2)")

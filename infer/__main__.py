@@ -7,7 +7,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     sub = argv[0] if argv else None
-    if sub == "plan":
+    if sub == "plan" and "local" not in argv:
         # A plan compiles for devices it does not start: JAX's own backend is the CPU, which also lets the CUDA
         # plugin serve compile-only GPUs on a machine without one.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a pairing file (configs/<name>.yaml, by name or path): its target and draft")
     source.add_argument("--target-config", metavar="CONFIG.json",
                         help="a target's Hugging Face config.json (no weights needed)")
+    source.add_argument("--preset", metavar="NAME",
+                        help="the shapes of a `python -m infer speed` preset, to set a plan beside a measured run "
+                             "(with --target-layers for the cut presets)")
+    parser.add_argument("--target-layers", type=int, metavar="N",
+                        help="with --preset: keep the target's first N layers (the cut presets of infer speed)")
     parser.add_argument("--draft-config", metavar="CONFIG.json",
                         help="with --target-config: a DFlash draft's official config.json (default: plan the "
                              "autoregressive baseline)")
@@ -48,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="plan the autoregressive baseline (no draft) even with a pairing")
     parser.add_argument("--device", default="cpu", metavar="DEVICE",
                         help=f"what to compile for: {', '.join(DEVICES)}, or a TPU topology such as v5p:2x2x2 "
-                             "(default cpu: this machine)")
+                             "(default cpu: this machine; local: the accelerators this process runs on, with "
+                             "their own memory figure)")
     parser.add_argument("--batch", type=int, default=1, metavar="B", help="rows decoded together (default 1)")
     parser.add_argument("--context", type=int, default=4096, metavar="N",
                         help="positions each row holds at the end: prompt + new tokens (default 4096)")
@@ -72,6 +78,15 @@ def _configs(args):
     from dflash_jax.models.config import TargetConfig, read_json_object
     from dflash_jax.models.draft_config import DraftConfig
 
+    if args.target_layers is not None and not args.preset:
+        raise UsageError("--target-layers goes with --preset")
+    if args.preset:
+        from dflash_jax.evaluation.speed import preset_configs
+
+        if args.draft_config:
+            raise UsageError("--draft-config goes with --target-config (a preset names its own draft)")
+        target, draft = preset_configs(args.preset, target_layers=args.target_layers)
+        return target, None if args.baseline else draft
     if args.pairing:
         if args.draft_config:
             raise UsageError("--draft-config goes with --target-config (a pairing names its own draft)")
@@ -126,5 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     # The CUDA plugin serves compile-only GPUs only when JAX's own backend is the CPU (its start-up check of
     # the CUDA libraries would otherwise fail on a machine without a GPU and unregister it); a plan never
     # runs anything on a device, so the CPU is all it needs.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if not _local(argv):
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     return run_cli(build_parser(), run, argv)
+
+
+def _local(argv) -> bool:
+    """Whether the command line asks for ``--device local`` (the process's own accelerators)."""
+    argv = list(argv or [])
+    return any(a == "--device=local" or (a == "--device" and argv[i + 1:i + 2] == ["local"])
+               for i, a in enumerate(argv))

@@ -6,10 +6,13 @@ the routed experts give the same result (tested against each other, tests/test_e
 
 - ``dense``: every expert on every token, then each token keeps its k outputs (an einsum over all experts).
   Reads and computes all experts; exact and simple, the cheaper path on CPU for short prefill chunks.
-- ``grouped``: the (token, k) pairs sorted by expert and one grouped matmul (``jax.lax.ragged_dot``) per
-  projection, so the FLOPs follow ``tokens * top_k``: prefill and training at real sizes. TPUs run
-  ``ragged_dot`` natively; XLA:GPU lowers it to one GEMM over ALL experts (the tokens broadcast to
-  ``[tokens, E, H]``) and XLA:CPU to one product per expert, so there it reads every expert like ``dense``.
+- ``grouped``: the (token, k) pairs sorted by expert and one grouped matmul per projection, so the FLOPs
+  follow ``tokens * top_k``: prefill and training at real sizes. TPUs run ``jax.lax.ragged_dot`` natively.
+  GPUs run this project's Pallas (Triton) kernel, ``models/grouped_matmul``: XLA:GPU would lower
+  ``ragged_dot`` to one GEMM over ALL experts (the tokens broadcast to ``[tokens, E, H]``), while the kernel
+  multiplies each row tile by its own expert only and reads only the experts that have rows. CPUs keep
+  ``ragged_dot``, which XLA:CPU expands to one product per expert over all rows: it reads every expert like
+  ``dense``.
 - ``routed``: each (token, k) pair through ITS expert's matrices (gathered, ``w[ids] -> [N * k, in, out]``,
   or read one pair at a time by a dynamic slice, per platform) with matrix-vector products: reads only the
   routed experts' weights on every backend, one expert per pair (repeats read again), so it pays for few
@@ -65,6 +68,8 @@ PATHS = ("dense", "grouped", "routed")
 #   bf16 first, 2.2 GB written and read again per projection). Routed reads N k experts, repeats included:
 #   float breaks even at N k = E; packed routed moves ~6 bits per weight against dense's ~36, so it would
 #   still win past E, but its product runs on CUDA cores, not tensor cores: E kept, unmeasured on a device.
+#   (Measured against XLA:GPU's ``ragged_dot``; the GPU's grouped path is now a Pallas kernel that reads only
+#   the experts with rows, on tensor cores, which may move this bound down: not measured on a device either.)
 # - CPU (this project's 2-core machine, shared, so minima of 7 calls; one expert layer at gpt-oss-20b-like
 #   shapes: hidden 2880, E 32, top-4, biases, clamped SwiGLU, intermediate 720/736 (a quarter of
 #   gpt-oss-20b's, to fit), fp32, jitted; ms dense / routed):
@@ -105,8 +110,8 @@ def expert_path(num_tokens: int, num_experts: int, top_k: int) -> str:
     platform being traced for (``current_platform``; a static choice made while tracing, which
     ``force_expert_path`` overrides): ``routed`` while ``tokens * top_k <= ROUTED_PAIRS_PER_EXPERT *
     num_experts`` (decoding and verification: reading weights is the cost, and routed reads only the chosen
-    experts'); past it, accelerators take ``grouped`` (TPU: native ``ragged_dot``; GPU: kept for now,
-    although XLA:GPU's ``ragged_dot`` computes every expert), CPU ``dense`` up to ``DENSE_LIMIT`` token x
+    experts'); past it, accelerators take ``grouped`` (TPU: native ``ragged_dot``; GPU: the Pallas grouped
+    matmul of ``models/grouped_matmul``), CPU ``dense`` up to ``DENSE_LIMIT`` token x
     expert pairs (XLA:CPU expands ``ragged_dot`` into one product per expert over all rows) and ``grouped``
     past it, which bounds the ``[E, tokens, I]`` intermediates."""
     forced = _forced_path.get()
@@ -162,6 +167,17 @@ class StackedExperts:
     packed: bool
     dtype: Any
     name: str | None = None
+
+    def after(self, x: jax.Array) -> "StackedExperts":
+        """These params, made to wait for ``x`` (the layer's input) through an optimization barrier. Packed
+        weights are decoded inside the layer, and the decode depends on nothing but the params: XLA's
+        schedulers may then hoist every layer's decode to the start of the program, all alive at once (the
+        TPU compile of gpt-oss-120b's 8k prefill asked for 338 GB of temporaries that way). Tied to the
+        layer's input, each decode runs when its layer does."""
+        if not self.packed:
+            return self
+        params, _ = jax.lax.optimization_barrier((dict(self.params), x))
+        return dataclasses.replace(self, params=params)
 
     def all(self) -> dict[str, jax.Array]:
         """Every expert's weights ``[E, in, out]`` and biases ``[E, width]`` in ``dtype`` (packed: all decoded;
@@ -239,7 +255,13 @@ def dense_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig):
 
 
 def grouped_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig):
-    """The (token, k) pairs sorted by expert, one ``ragged_dot`` per projection, outputs added back."""
+    """The (token, k) pairs sorted by expert, one grouped matmul per projection, outputs added back: on GPUs
+    the Pallas kernel of ``models/grouped_matmul`` (same contract as ``ragged_dot``, whose XLA:GPU lowering
+    computes every expert on every row), elsewhere ``jax.lax.ragged_dot``."""
+    if current_platform() == "gpu":  # imported here: only programs traced for GPUs need Pallas
+        from dflash_jax.models.grouped_matmul import grouped_matmul as product
+    else:
+        product = jax.lax.ragged_dot
     p = experts.all()
     n, k = ids.shape
     flat = ids.reshape(-1)
@@ -248,11 +270,11 @@ def grouped_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig
     token_of = order // k
     rows = x[token_of]  # [N * k, H], grouped by expert
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
-    gate = jax.lax.ragged_dot(rows, p["gate_proj"], sizes)
-    up = jax.lax.ragged_dot(rows, p["up_proj"], sizes)
+    gate = product(rows, p["gate_proj"], sizes)
+    up = product(rows, p["up_proj"], sizes)
     if cfg.expert_bias:
         gate, up = gate + p["gate_proj_bias"][expert_of], up + p["up_proj_bias"][expert_of]
-    y = jax.lax.ragged_dot(activate(gate, up, cfg), p["down_proj"], sizes)
+    y = product(activate(gate, up, cfg), p["down_proj"], sizes)
     if cfg.expert_bias:
         y = y + p["down_proj_bias"][expert_of]
     y = y * weights.reshape(-1)[order][:, None]
@@ -356,7 +378,7 @@ class Experts(nn.Module):
         experts = ExpertWeights(cfg, h, self.dtype, name="experts")()
         path = expert_path(b * t, cfg.num_experts, cfg.top_k)
         _note_reads(path, b * t, cfg, experts.params)
-        out = COMPUTE[path](flat, weights, ids, experts, cfg)
+        out = COMPUTE[path](flat, weights, ids, experts.after(flat), cfg)
         if cfg.shared_intermediate_size:
             shared = MLP(cfg.shared_intermediate_size, False, self.dtype, self.dtype, name="shared_expert")(flat)
             gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
