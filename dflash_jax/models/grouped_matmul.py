@@ -18,7 +18,7 @@ The grid is (tiles, column tiles); each program walks ``K`` in ``depth`` steps, 
 group) and its expert's ``[depth, cols]`` slice, accumulating in float32, and stores its rows only: the rows of
 a tile's neighbour group belong to another program, so no two programs write the same element.
 
-``interpret``: None (the default) lowers the Triton kernel for CUDA and Pallas' interpreter everywhere else (a
+``interpret``: None (the default) lowers the Triton kernel for GPUs and Pallas' interpreter everywhere else (a
 ``platform_dependent`` choice made when the program is lowered), so a program traced for a GPU on this CPU
 machine (``platform.compiling_for("gpu")``, the tests) computes the kernel's own tiling, and one compiled for a
 GPU without a device (``dflash_jax.aot``) calls the kernel. The interpreter is slow (a Python-level grid);
@@ -173,10 +173,11 @@ def _pallas(lhs, rhs, group_sizes, out_dtype, tiles: Tiles, precision, interpret
 
 
 def _forward(lhs, rhs, group_sizes, out_dtype, tiles, precision, interpret):
-    if interpret is None:  # decided when lowering: the kernel for CUDA, the interpreter for anything else
+    if interpret is None:  # decided when lowering: the kernel for GPUs, the interpreter for anything else
+        kernel = functools.partial(_pallas, out_dtype=out_dtype, tiles=tiles, precision=precision, interpret=False)
+        # ROCm: Pallas' Triton backend lowers for it too (not compiled here: no ROCm compiler on this machine)
         return jax.lax.platform_dependent(
-            lhs, rhs, group_sizes,
-            cuda=functools.partial(_pallas, out_dtype=out_dtype, tiles=tiles, precision=precision, interpret=False),
+            lhs, rhs, group_sizes, cuda=kernel, rocm=kernel,
             default=functools.partial(_pallas, out_dtype=out_dtype, tiles=tiles, precision=precision,
                                       interpret=True))
     return _pallas(lhs, rhs, group_sizes, out_dtype, tiles, precision, interpret)
@@ -192,6 +193,7 @@ def _grouped_fwd(lhs, rhs, group_sizes, out_dtype, tiles, precision, interpret):
 
 
 def _grouped_bwd(out_dtype, tiles, precision, interpret, saved, dy):
+    del out_dtype, tiles  # the forward's: the backward products choose their own tiles
     lhs, rhs, group_sizes = saved
     m, k = lhs.shape
     e, _, n = rhs.shape
@@ -216,7 +218,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, pr
     group), ``rhs [E, K, N]``, ``group_sizes [E]`` -> ``[M, N]`` in ``preferred_element_type`` (default: the
     inputs' promoted type), accumulated in float32. ``precision``: None takes the context's
     (``jax.default_matmul_precision``). ``tiles``: None chooses by shape (``default_tiles``). ``interpret``:
-    None lowers the kernel for CUDA and interprets it elsewhere; True / False force one."""
+    None lowers the kernel for GPUs (CUDA, ROCm) and interprets it elsewhere; True / False force one."""
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != rhs.shape[:1] or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"grouped_matmul needs lhs [M, K], rhs [E, K, N], group_sizes [E]; got {lhs.shape}, "
                          f"{rhs.shape}, {group_sizes.shape}")
