@@ -103,6 +103,11 @@ def compile_target(device: str, count: int = 1) -> CompileTarget:
                         "v5p:2x2x2)")
     from jax.experimental import topologies
 
+    if jax.config.jax_compilation_cache_dir:
+        # The persistent cache would store compile-only executables, but reading one back needs a client of
+        # that device ("PjRtCompiler must be constructed with a Client"): the next plan would warn and compile
+        # anyway. Off for this process (a plan compiles each program once).
+        jax.config.update("jax_enable_compilation_cache", False)
     if kind in GPU_SPECS:
         spec = gpu_target_config(kind)
         try:

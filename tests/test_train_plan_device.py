@@ -81,6 +81,18 @@ def test_v5p_slice_plan_of_a_run_config(run_config, capsys):
     assert seconds and float(seconds.group(1)) > 0, out
 
 
+def test_local_device_plans_on_this_process_devices(capsys):
+    """``--device local`` (aot's ``local``): the process's own devices, here the CPU; no memory figure of its
+    own on a CPU, so the default 80 GiB."""
+    assert main(["--pairing", "tiny-test", "--seq-len", "32", "--num-anchors", "4", "--anchor-chunk", "4",
+                 "--global-batch", "1", "--device", "local", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["device"].startswith("local") and r["backend"] == "cpu" and not r["compile_only"]
+    assert r["num_devices"] == 1 and r["device_memory_gib"] == DEFAULT_MEMORY_GIB
+    check_accounting(r)
+    assert "local cpu device(s), cpu compiler" in format_plan(r) and "compile-only" not in format_plan(r)
+
+
 def test_memory_to_compare_with():
     class Target:
         memory_bytes = 95 * GIB
@@ -100,6 +112,7 @@ def test_help_documents_the_device():
     (["--device", "v5p:2x2x1", "--mesh", "fsdp=8"], "TPU topology 'v5p:2x2x1' has 4 chips: mesh "),
     (["--device", "h200", "--cpu-devices", "8"], "--cpu-devices simulates CPU devices"),
     (["--device", "h200", "--distributed"], "drop the multi-process flags"),
+    (["--device", "local", "--num-processes", "2"], "drop the multi-process flags"),
     (["--device", "h200", "--mesh", "data=-1,fsdp=-1"], "only one axis may be -1"),
 ])
 def test_bad_device_input_is_one_error_line(args, message, capsys):

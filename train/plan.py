@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --config: block size of a new draft (same as --set draft.block_size=B)")
     parser.add_argument("--mesh", metavar="SPEC",
                         help="device mesh, e.g. data=1,fsdp=8 or fsdp=4,tensor=2 (one axis may be -1); "
-                             "default: the run config's mesh, or every device on 'data'")
+                             "default: the run config's mesh, or every device on 'data' (with --device: one "
+                             "device, or every chip of a TPU topology)")
     parser.add_argument("--global-batch", type=int, metavar="G", help="sequences per optimizer step (default 8)")
     parser.add_argument("--seq-len", type=int, metavar="L", help="tokens per sequence (default 3072)")
     parser.add_argument("--num-anchors", type=int, metavar="A", help="anchors per sequence (default 512)")
@@ -73,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "target's head over the labelled block positions, chunk by chunk")
     parser.add_argument("--device", metavar="DEVICE",
                         help=f"compile for this device without having it: {', '.join(DEVICES)}, or a TPU topology "
-                             "such as v5p:2x2x2 (default: this machine's backend, as cpu)")
+                             "such as v5p:2x2x2 (default: this machine's backend, as cpu; local: this process's "
+                             "devices, compared with their own memory)")
     parser.add_argument("--device-memory-gib", type=float, metavar="GIB",
                         help="memory of one device to compare the total with (default: the --device's, else 80)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -224,10 +226,18 @@ def _device_of(args: argparse.Namespace) -> str | None:
     if device not in DEVICES and not (kind in TPU_KINDS and ":" in device):
         raise UsageError(f"unknown device {device!r} (choose from {', '.join(DEVICES)}, or a TPU topology such as "
                          "v5p:2x2x2)")
+    multi_process = (args.coordinator or args.num_processes is not None or args.process_id is not None
+                     or args.distributed)
+    if device == "local":
+        # this process's own devices, as without --device but compared with their own memory: JAX's platform
+        # is the user's, and --cpu-devices still simulates CPU ones
+        if multi_process:
+            raise UsageError("--device local plans over this process's devices alone: drop the multi-process flags")
+        return device
     if args.cpu_devices is not None:
         raise UsageError(f"--cpu-devices simulates CPU devices, --device {device} compiles for compile-only {kind} "
                          "devices (as many as --mesh names): pass one of them")
-    if args.coordinator or args.num_processes is not None or args.process_id is not None or args.distributed:
+    if multi_process:
         raise UsageError(f"--device {device} plans on this machine alone: drop the multi-process flags")
     # The CUDA plugin serves compile-only GPUs only when JAX's own backend is the CPU (on a machine without a
     # GPU its start-up check of the CUDA libraries would fail and unregister it); the plan runs nothing, so the
@@ -237,12 +247,7 @@ def _device_of(args: argparse.Namespace) -> str | None:
 
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")
-    if jax.config.jax_compilation_cache_dir:
-        # The persistent cache would store the compile-only executable, but reading it back needs a client of
-        # that device ("PjRtCompiler must be constructed with a Client"): the next plan would warn and compile
-        # anyway. Off for this process (a plan compiles one program, once).
-        jax.config.update("jax_enable_compilation_cache", False)
-    return device
+    return device  # (aot.compile_target turns the persistent cache off for compile-only devices)
 
 
 def memory_limit(device_memory_gib: float | None, target=None) -> float:
@@ -287,7 +292,7 @@ def plan_main(args: argparse.Namespace) -> int:
     if not args.json:
         shown = ",".join(f"{a}={n}" for a, n in mesh.shape.items())
         where = (f"{jax.default_backend()} device(s)" if target_devices is None else
-                 f"compile-only {target_devices.name} device(s)")
+                 f"{'' if device == 'local' else 'compile-only '}{target_devices.name} device(s)")
         print(f"compiling the train step of {s['name']} for mesh {shown} ({mesh.devices.size} {where}) ...",
               flush=True)
     result = plan_step(target, draft, step_cfg, mesh, s["global_batch"], s["seq_len"], resolve_dtype(s["dtype"]),
@@ -299,6 +304,8 @@ def plan_main(args: argparse.Namespace) -> int:
         accum_steps=s["accum_steps"], loss=s["loss"], block_size=draft.block_size, num_draft_layers=draft.num_hidden_layers,
         device_memory_gib=limit / GIB, fits=result["resident_total_bytes"] <= limit,
     )
+    if device is not None:
+        result["compile_only"] = device != "local"
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -313,8 +320,9 @@ def format_plan(r: dict) -> str:
     def row(label: str, n: int, sign: str = "") -> str:
         return f"  {label:<38}{sign + format(n / scale, '.2f'):>11}"
 
+    compile_only = r.get("compile_only", True)
     where = (f"{r['backend']} device(s)" if "device" not in r else
-             f"compile-only {r['device']} device(s), {r['backend']} compiler")
+             f"{'compile-only ' if compile_only else ''}{r['device']} device(s), {r['backend']} compiler")
     lines = [
         f"train step of {r['name']}: mesh {mesh} ({r['num_devices']} {where}), {r['dtype']}",
         f"  batch {r['global_batch']} x {r['seq_len']} tokens, {r['num_anchors']} anchors per sequence in chunks "
@@ -352,8 +360,11 @@ def format_plan(r: dict) -> str:
     if "device" in r:
         kernels = ", ".join(f"{name} x{n}" for name, n in sorted(r["fused_kernels"].items())) or "none"
         lines.append(f"fused kernels in the compiled step: {kernels}")
-        lines.append(f"memory: the {r['backend'].upper()} compiler's buffer assignment for {r['device']}, compiled "
-                     "without the device (not a measurement on one)")
+        if compile_only:
+            lines.append(f"memory: the {r['backend'].upper()} compiler's buffer assignment for {r['device']}, "
+                         "compiled without the device (not a measurement on one)")
+        else:
+            lines.append(f"memory: XLA's buffer assignment on {r['device']} (compiled, not run)")
     elif r["backend"] == "cpu":
         lines.append("memory: XLA:CPU's buffer assignment, a proxy for an accelerator's, not a measurement of one")
     return "\n".join(lines)

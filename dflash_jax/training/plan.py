@@ -140,11 +140,14 @@ def compile_devices(spec: Any, device: str):
     topology (``v5p:2x2x2``) is a slice the trainer would run on whole, so the mesh must cover its chips (as
     ``train fit`` needs the mesh to cover ``jax.devices()``), and a ``-1`` axis (a run config's default
     ``data: -1``) takes the rest of them; on a bare device name (``h200``, ``v5p``) a ``-1`` axis is 1, the
-    smallest mesh with the fixed axes, and no spec at all is one device."""
+    smallest mesh with the fixed axes, and no spec at all is one device. ``local`` (this process's own
+    devices) is the exception: they exist, so the mesh covers them as ``train fit``'s does."""
     from dflash_jax.aot import compile_target
 
     chips = _topology_chips(device)
-    if chips is not None:
+    if device == "local":  # real devices: the mesh covers them all, as 'train fit' makes it
+        sizes = sharding.parse_mesh(spec, len(jax.local_devices()))
+    elif chips is not None:
         try:
             sizes = sharding.parse_mesh(spec, chips)
         except UserError as e:  # say where the "available" devices come from
