@@ -75,8 +75,13 @@ def test_dense_pairing_compiles_with_fused_attention_and_no_loop_in_a_round(plan
     assert 0 < p["weights_gib"] < p["total_gib"] < p["device_memory_gib"] and p["fits"]
 
 
-@pytest.mark.parametrize("mxfp4", ["dequantize", "packed"])
-@pytest.mark.parametrize("device", DEVICES)
+# Every GPU case; the TPU (a slower compile here) with packed experts, which exercise the routed float path's
+# gather too (decoded rows) and the TPU-specific hoisting barrier.
+GPT_OSS_CASES = [pytest.param(d, m, marks=needs[d]) for d, m in
+                 (("h200", "dequantize"), ("h200", "packed"), ("v5p", "packed"))]
+
+
+@pytest.mark.parametrize("device,mxfp4", GPT_OSS_CASES)
 def test_gpt_oss_round_reads_only_routed_experts_and_runs_no_loop(plans, device, mxfp4):
     """Windows (a bounded span), sinks (folded after the fused kernel) and experts (routed: 8 tokens x top-2
     of 32) compile with no loop in a round; the experts one round reads are exactly the routed ones."""

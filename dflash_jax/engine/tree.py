@@ -47,7 +47,7 @@ class Tree:
     valid: jax.Array  # [N] bool: root and real prefixes True, padding False
     ancestors: jax.Array  # [N, N] bool: ancestors[i, j] = node j is node i or one of its ancestors
     scores: jax.Array  # [N] float32: sum of the path's draft log-probs (root 0, padding -inf)
-    ranks: jax.Array  # [N] int32: the node's candidate rank at its depth (column of ``tokens`` input); root 0, padding -1
+    ranks: jax.Array  # [N] int32: column of build_tree's candidates at the node's depth; root 0, padding -1
     max_depth: int = flax.struct.field(pytree_node=False)  # D: the draft positions (accept outputs have D + 1)
 
     @property
