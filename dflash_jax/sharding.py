@@ -44,6 +44,7 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     # Mixture-of-experts layers (models/experts.py): stacked experts [E, in, out] split over the expert axis.
     (r"mlp/(gate|router)/kernel$", ("embed", None)),  # the router [H, E]: small, replicated over experts
     (r"mlp/router/bias$", (None,)),
+    (r"mlp/e_score_correction_bias$", (None,)),  # MiniMax-M2's selection bias [E]: replicated like the router
     (r"experts/(gate|up)_proj$", ("experts", "embed", "mlp")),
     (r"experts/down_proj$", ("experts", "mlp", "embed")),
     (r"experts/(gate|up)_proj_bias$", ("experts", "mlp")),
@@ -75,7 +76,9 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"_conv/kernel_projection/kernel$", ("embed", None)),
     (r"candidate_selector/(predecessor|successor)_codebook$", ("vocab", "embed")),
     (r"candidate_selector/hidden_projection/kernel$", ("embed", None)),
-    (r"norm/weight$", ("norm",)),  # every RMSNorm (layer norms, q/k norms, final and hidden norms, DeltaNet's)
+    # Every RMSNorm (layer norms, q/k norms, final and hidden norms, DeltaNet's), replicated: also MiniMax-M2's
+    # q/k norms over the whole projection ([heads * head_dim]; their RMS is reduced over the tensor axis).
+    (r"norm/weight$", ("norm",)),
 )
 
 LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {

@@ -5,6 +5,10 @@ The experts' parameters are ``[E, in, out]`` stacks (``experts/{gate,up}_proj [E
 
 - per expert (released Qwen3-MoE, and what transformers writes): ``mlp.experts.{j}.gate_proj.weight [I, H]``
   (PyTorch ``[out, in]``), one tensor per expert and projection;
+- per expert, Mixtral names (MiniMax-M2, released and written by transformers): the block is
+  ``block_sparse_moe`` and expert j's projections ``block_sparse_moe.experts.{j}.w1`` (gate), ``.w3`` (up),
+  ``.w2`` (down) ``.weight``; its router ``block_sparse_moe.gate.weight`` and ``e_score_correction_bias``
+  (``moe_key``);
 - fused, Qwen style (transformers' in-memory layout): ``mlp.experts.gate_up_proj [E, 2I, H]`` with the gate
   rows first, ``mlp.experts.down_proj [E, H, I]``;
 - fused, gpt-oss style: ``mlp.experts.gate_up_proj [E, H, 2I]`` (``x @ W``) with gate and up INTERLEAVED
@@ -21,6 +25,7 @@ default name mirror.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 import numpy as np
@@ -33,6 +38,10 @@ EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_proj_bias", "up_proj
                  "gate_proj_blocks", "gate_proj_scales", "up_proj_blocks", "up_proj_scales", "down_proj_blocks",
                  "down_proj_scales")
 PACKED_SUFFIXES = ("_blocks", "_scales")
+# Families whose checkpoints use transformers' "mixtral" names: the MoE block ``block_sparse_moe``, an expert's
+# projections w1/w3/w2 (our ``experts/{gate,up,down}_proj``).
+MIXTRAL_STYLE = ("minimax_m2",)
+MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 #: ``load_target(..., mxfp4=...)``: what to do with MXFP4 expert weights.
 MXFP4_MODES = ("dequantize", "packed")
 
@@ -52,6 +61,14 @@ def with_mxfp4(config: TargetConfig, mxfp4_mode: str, source: str = "") -> Targe
         raise CheckpointError(f"{source or 'target'}: mxfp4='packed' keeps gpt-oss's MXFP4 expert weights packed, "
                               f"but this is a {config.model_type} model; load it with mxfp4='dequantize'")
     return dataclasses.replace(config, experts=dataclasses.replace(config.experts, weight_format="mxfp4"))
+
+
+def moe_key(config: TargetConfig, key: str) -> str:
+    """A stored key as this family names it: ``model.layers.3.mlp.gate.weight`` (the param mirror) is
+    ``model.layers.3.block_sparse_moe.gate.weight`` on disk for the ``MIXTRAL_STYLE`` families."""
+    if config.model_type in MIXTRAL_STYLE:
+        return re.sub(r"(^|\.)(layers\.\d+)\.mlp\.", r"\1\2.block_sparse_moe.", key, count=1)
+    return key
 
 
 def is_expert_param(path: tuple[str, ...]) -> bool:
@@ -81,7 +98,10 @@ def expert_rule(config: TargetConfig, source: SafetensorsDir, prefix: str,
         return Derived((f"{base}.gate_up_proj",), ((e, 2 * i, h),),
                        lambda a: a[0][:, half, :].transpose(0, 2, 1), name=where)
     stored = (i, h) if name != "down_proj" else (h, i)
-    keys = tuple(f"{base}.{j}.{name}.weight" for j in range(e))
+    if config.model_type in MIXTRAL_STYLE:
+        keys = tuple(f"{moe_key(config, base)}.{j}.{MIXTRAL_NAMES[name]}.weight" for j in range(e))
+    else:
+        keys = tuple(f"{base}.{j}.{name}.weight" for j in range(e))
     return Derived(keys, (stored,) * e, lambda a: np.stack([w.T for w in a]), name=where)
 
 
@@ -126,7 +146,7 @@ def _gpt_oss_packed_rule(source: SafetensorsDir, base: str, name: str, e: int, h
 
 def export_expert_tensors(config: TargetConfig, layer_params: dict, prefix: str, layer: int) -> dict:
     """One layer's expert parameters in the layout transformers writes for this family (per expert for
-    Qwen3-MoE, fused and interleaved for gpt-oss)."""
+    Qwen3-MoE and, with Mixtral names, MiniMax-M2; fused and interleaved for gpt-oss)."""
     p = {k: np.asarray(v) for k, v in layer_params.items()}
     base = f"{prefix}layers.{layer}.mlp.experts"
     if config.model_type == "gpt_oss":
@@ -138,5 +158,8 @@ def export_expert_tensors(config: TargetConfig, layer_params: dict, prefix: str,
         return {f"{base}.gate_up_proj": interleave(p["gate_proj"], p["up_proj"]),
                 f"{base}.gate_up_proj_bias": interleave(p["gate_proj_bias"], p["up_proj_bias"]),
                 f"{base}.down_proj": p["down_proj"], f"{base}.down_proj_bias": p["down_proj_bias"]}
+    if config.model_type in MIXTRAL_STYLE:
+        return {f"{moe_key(config, base)}.{j}.{MIXTRAL_NAMES[name]}.weight": np.ascontiguousarray(p[name][j].T)
+                for name in ("gate_proj", "up_proj", "down_proj") for j in range(config.experts.num_experts)}
     return {f"{base}.{j}.{name}.weight": np.ascontiguousarray(p[name][j].T)
             for name in ("gate_proj", "up_proj", "down_proj") for j in range(config.experts.num_experts)}

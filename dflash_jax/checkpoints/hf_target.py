@@ -18,6 +18,7 @@ from dflash_jax.checkpoints.expert_layouts import (
     export_expert_tensors,
     is_expert_param,
     is_packed_param,
+    moe_key,
     with_mxfp4,
 )
 from dflash_jax.checkpoints.safetensors_io import (
@@ -90,7 +91,9 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
             return expert_rule(config, source, prefix, param_path)
         if config.model_type in GROUPED_LINEAR_PROJECTIONS and param_path[-2] in SPLIT_PROJECTIONS:
             return _grouped_projection_rule(config, prefix, param_path)
-        return mirror(param_path)
+        key = mirror(param_path)
+        stored = moe_key(config, key)  # MiniMax-M2's router and selection bias under block_sparse_moe
+        return key if stored not in source.key_to_file and key in source.key_to_file else stored
 
     def put(param_path, arr):
         # load_params runs with dtype=None (it would cast every tensor); the cast to ``dtype`` happens here, for
@@ -140,8 +143,10 @@ def save_target(config: TargetConfig, params: dict, out_dir: str | Path, dtype: 
     if any(is_packed_param(path) for path in experts):
         raise CheckpointError(f"{out_dir}: these params keep MXFP4 experts packed (loaded with mxfp4='packed'); "
                               "load the target with mxfp4='dequantize' to save it")
+    mirror = target_key_of("model.")
     tensors = params_to_tensors(unflatten({path: leaf for path, leaf in flatten(params).items()
-                                           if path not in experts}), target_key_of("model."), dtype=dtype)
+                                           if path not in experts}), lambda path: moe_key(config, mirror(path)),
+                                dtype=dtype)
     if config.model_type in GROUPED_LINEAR_PROJECTIONS:
         for layer in config.linear_layers:
             base = f"model.layers.{layer}.linear_attn"

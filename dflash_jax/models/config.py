@@ -238,9 +238,14 @@ class ExpertsConfig:
     top_k: int
     intermediate_size: int  # of one expert
     # "softmax_topk": Qwen3-MoE (softmax over all experts in float32, then top-k, renormalised when
-    # ``norm_topk_prob``); "topk_softmax": gpt-oss (top-k of the raw logits, softmax over those k).
+    # ``norm_topk_prob``); "topk_softmax": gpt-oss (top-k of the raw logits, softmax over those k);
+    # "sigmoid_topk": MiniMax-M2 (sigmoid of each logit in float32, then top-k, renormalised when
+    # ``norm_topk_prob``).
     routing: str = "softmax_topk"
     norm_topk_prob: bool = False
+    # MiniMax-M2: a learned per-expert ``e_score_correction_bias [E]`` added to the scores for CHOOSING the
+    # top k only; the weights are the unbiased scores of the chosen experts.
+    selection_bias: bool = False
     router_bias: bool = False
     expert_bias: bool = False
     # "silu": SwiGLU ``down(silu(gate) * up)``; "clamped_swiglu": gpt-oss's ``(clip(up) + 1) * glu(min(gate))``.
@@ -306,6 +311,10 @@ class TargetConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    # "head": q_norm/k_norm weights [head_dim], one RMS per head (Qwen3); "projection": weights [heads *
+    # head_dim], one RMS over the whole q (k) projection before the head split (MiniMax-M2; under tensor
+    # parallelism over heads its mean spans every shard: XLA reduces it across the tensor axis).
+    qk_norm_scope: str = "head"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # The per-layer plan. ``experts``: the FFN of the layers listed in ``expert_layers`` (others are dense).
@@ -409,7 +418,7 @@ class TargetConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
-        if self.model_type != "qwen2":
+        if self.model_type not in ("qwen2", "minimax_m2"):
             out["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
@@ -419,6 +428,9 @@ class TargetConfig:
                        moe_intermediate_size=e.intermediate_size, norm_topk_prob=e.norm_topk_prob,
                        decoder_sparse_step=1,
                        mlp_only_layers=[i for i in range(self.num_hidden_layers) if i not in self.expert_layers])
+        if self.model_type == "minimax_m2":
+            out.update(num_local_experts=e.num_experts, num_experts_per_tok=e.top_k,
+                       intermediate_size=e.intermediate_size)
         if self.model_type == "gpt_oss":
             out.update(num_local_experts=e.num_experts, num_experts_per_tok=e.top_k,
                        intermediate_size=e.intermediate_size, swiglu_limit=e.swiglu_limit,
@@ -632,6 +644,66 @@ def _hybrid_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict
     return out
 
 
+# MiniMax-M2 fields that transformers' MiniMaxM2 does not read (it hard-codes what they describe): released
+# config.json files carry them, so a value other than the one computed here is refused, not ignored.
+MINIMAX_M2_FIXED = {"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+                    "qk_norm_type": "per_layer", "shared_intermediate_size": 0, "attention_bias": False}
+
+
+def _rotary_dim_checked(cfg: Mapping[str, Any], source: str, head_dim: int) -> int:
+    """The rotary dims of ``partial_rotary_factor`` (``_partial_rotary_dim``), with a ``rotary_dim`` field (as
+    MiniMax's own config.json files carry) required to agree: transformers reads only the factor (absent: 1,
+    every dim rotates) and ignores ``rotary_dim``, MiniMax's code reads ``rotary_dim``; where they disagree
+    the model's rotary size is ambiguous and the config is refused."""
+    dim = _partial_rotary_dim(cfg, source, head_dim)
+    if _present(cfg, "rotary_dim"):
+        given = int_field(cfg, "rotary_dim", source, maximum=head_dim)
+        if given != dim:
+            raise ConfigError(
+                f"{source}: field 'rotary_dim' ({given}) disagrees with partial_rotary_factor ({dim / head_dim:g}, "
+                f"absent means 1), which rotates {dim} of head_dim {head_dim}: transformers reads only the factor, "
+                f"MiniMax's own code reads rotary_dim. Set \"partial_rotary_factor\": {given / head_dim:g} (in "
+                f"rope_parameters or at the top level) if the model rotates {given} dims, or remove 'rotary_dim'")
+    return dim
+
+
+def _minimax_m2_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """MiniMax-M2 (M2, M2.1, M2.5, M2.7): Qwen3-MoE-like, with q/k RMSNorms over the whole projection (before
+    the head split), partial RoPE (split halves within the rotated dims), full attention, and on every layer
+    experts chosen by sigmoid scores plus a selection-only correction bias, weighted by their renormalised
+    scores (no shared expert, no groups, no routed scaling)."""
+    _check_silu(cfg, source)
+    _no_sliding_window(cfg, source)
+    for key, value in MINIMAX_M2_FIXED.items():
+        if _present(cfg, key) and cfg[key] != value:
+            raise ConfigError(f"{source}: field {key!r} is {cfg[key]!r}, but transformers' MiniMaxM2 (what this "
+                              f"implementation computes) always has {value!r}")
+    types = cfg.get("attn_type_list")
+    if types is not None and (not isinstance(types, list) or any(t != 1 for t in types)):
+        raise ConfigError(f"{source}: field 'attn_type_list' must be all 1 (softmax attention on every layer), "
+                          f"got {types!r}")
+    if not _present(cfg, "head_dim"):  # transformers' class default, not hidden_size / num_attention_heads
+        raise ConfigError(f"{source}: a minimax_m2 config needs 'head_dim' (transformers defaults it to 128, not "
+                          "to hidden_size / num_attention_heads)")
+    _, _, _, head_dim = attention_shape(cfg, source)
+    rotary = _rotary_dim_checked(cfg, source, head_dim)
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else {}
+    if not _present(cfg, "rope_theta") and not _present(params, "rope_theta"):
+        cfg = {**cfg, "rope_theta": 5000000.0}  # MiniMaxM2Config.default_theta
+    num_experts = _num_experts(cfg, source)
+    width = require(cfg, "intermediate_size", source)  # of one expert (every layer routes)
+    return dict(
+        intermediate_size=width,
+        qk_norm=True, qk_norm_scope="projection",
+        rotary_dim=rotary if rotary != head_dim else 0,
+        rope=parse_rope(cfg, source),
+        experts=ExpertsConfig(
+            num_experts=num_experts, top_k=_top_k(cfg, source, num_experts), intermediate_size=width,
+            routing="sigmoid_topk", norm_topk_prob=True, selection_bias=True),
+        expert_layers=tuple(range(num_layers)),
+    )
+
+
 # Multimodal checkpoints whose language model is nested under ``text_config`` (the model_type it takes).
 NESTED_TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
@@ -658,9 +730,11 @@ FAMILIES = {
     "llama": _dense_family, "mistral": _dense_family, "qwen2": _dense_family, "qwen3": _dense_family,
     "qwen3_moe": _qwen3_moe_family, "gpt_oss": _gpt_oss_family,
     "qwen3_next": _hybrid_family, "qwen3_5_text": _hybrid_family, "qwen3_5_moe_text": _hybrid_family,
+    "minimax_m2": _minimax_m2_family,
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                 "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                 "minimax_m2": "MiniMaxM2ForCausalLM"}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

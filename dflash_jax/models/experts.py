@@ -25,7 +25,8 @@ the routed experts give the same result (tested against each other, tests/test_e
 
 Parameters (``[in, out]`` like Flax kernels, experts leading): ``gate/kernel [H, E]`` (Qwen3-MoE's router,
 ``router/kernel`` + ``router/bias`` for gpt-oss), ``experts/{gate,up}_proj [E, H, I]``,
-``experts/down_proj [E, I, H]``, with ``experts/*_bias`` for gpt-oss; ``shared_expert/*`` and
+``experts/down_proj [E, I, H]``, with ``experts/*_bias`` for gpt-oss and ``e_score_correction_bias [E]`` (the
+selection-only router bias) for MiniMax-M2; ``shared_expert/*`` and
 ``shared_expert_gate/kernel [H, 1]`` for the shared-expert variant.
 
 With ``ExpertsConfig.weight_format == "mxfp4"`` the three projections are instead kept packed as gpt-oss stores
@@ -124,8 +125,11 @@ def expert_path(num_tokens: int, num_experts: int, top_k: int) -> str:
     return "dense" if num_tokens * num_experts <= DENSE_LIMIT else "grouped"
 
 
-def route(logits: jax.Array, cfg: ExpertsConfig) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, cfg: ExpertsConfig,
+          selection_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Router logits ``[N, E]`` -> (weights ``[N, k]`` in float32, expert ids ``[N, k]``), decided in float32.
+    ``selection_bias [E]`` (``cfg.selection_bias``, MiniMax-M2's ``e_score_correction_bias``) is added to the
+    scores to choose the k experts only; their weights are the unbiased scores.
 
     ``Experts`` computes the logits with float32 accumulation (bf16 inputs give exact products), so top-k and
     softmax never see logits rounded to the compute dtype. transformers rounds them first: Qwen3-MoE
@@ -138,9 +142,14 @@ def route(logits: jax.Array, cfg: ExpertsConfig) -> tuple[jax.Array, jax.Array]:
     about 65,000 times rarer, so the same token picks the same experts in all of them (DFlash's lossless
     check compares the target with itself), and those of the exact logits."""
     logits = logits.astype(jnp.float32)
-    if cfg.routing == "softmax_topk":  # Qwen3-MoE: softmax over all experts, then the top k
-        probs = jax.nn.softmax(logits, axis=-1)
-        weights, ids = jax.lax.top_k(probs, cfg.top_k)
+    if cfg.routing in ("softmax_topk", "sigmoid_topk"):  # Qwen3-MoE: softmax over all experts, then the top k;
+        # MiniMax-M2: each expert's sigmoid, then the top k (of the scores plus the selection bias)
+        probs = jax.nn.softmax(logits, axis=-1) if cfg.routing == "softmax_topk" else jax.nn.sigmoid(logits)
+        if selection_bias is None:
+            weights, ids = jax.lax.top_k(probs, cfg.top_k)
+        else:
+            _, ids = jax.lax.top_k(probs + selection_bias.astype(jnp.float32), cfg.top_k)
+            weights = jnp.take_along_axis(probs, ids, axis=-1)
         if cfg.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     else:  # gpt-oss: the top k raw logits, softmax over those k
@@ -373,7 +382,9 @@ class Experts(nn.Module):
         router = nn.Dense(cfg.num_experts, use_bias=cfg.router_bias, dtype=self.dtype, param_dtype=self.dtype,
                           name="router" if cfg.router_bias else "gate",
                           dot_general=functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32))
-        weights, ids = route(router(flat), cfg)
+        bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), self.dtype) \
+            if cfg.selection_bias else None
+        weights, ids = route(router(flat), cfg, bias)
         weights = weights.astype(self.dtype)  # the experts' outputs are combined in the compute dtype
         experts = ExpertWeights(cfg, h, self.dtype, name="experts")()
         path = expert_path(b * t, cfg.num_experts, cfg.top_k)

@@ -71,7 +71,12 @@ class TargetAttention(nn.Module):
         if cfg.qk_norm:
             norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype,  # noqa: E731
                                         zero_centered=cfg.zero_centered_norms, name=name)
-            q, k = norm("q_norm")(q), norm("k_norm")(k)
+            if cfg.qk_norm_scope == "projection":  # one RMS over all heads (MiniMax-M2), written on the whole
+                # projection: with heads split over the tensor axis, XLA reduces the mean across it
+                q = norm("q_norm")(q.reshape(b, t, -1)).reshape(q.shape)
+                k = norm("k_norm")(k.reshape(b, t, -1)).reshape(k.shape)
+            else:
+                q, k = norm("q_norm")(q), norm("k_norm")(k)
         rot = cfg.rotary_dims  # partial RoPE: the first ``rot`` dims of each head rotate, the rest pass
         inv_freq, scale = rope_inv_freq(cfg.rope, rot), rope_scale(cfg.rope)
         rope = lambda a: jnp.concatenate(  # noqa: E731
