@@ -335,3 +335,20 @@ def test_bad_kernel_names_are_refused():
     if not ON_GPU:
         with pytest.raises(UserError, match="'cudnn' needs a CUDA GPU; this process runs on cpu"):
             DecodeSettings(max_new_tokens=4, attention="cudnn")
+
+
+def test_segments_a_tpu_kernel_cannot_tile_go_to_xla_with_the_same_result():
+    """On a TPU a segment whose width is not whole 16-row tiles (a 10-key verify block, one key) is computed by
+    XLA in the kernel's grouped layout (``_grouped_xla``): the same outputs and log-sum-exps as the kernel in
+    interpret mode (which has no tiles), causal or not, for rows with no visible key too (1e-5, float32)."""
+    rng = np.random.default_rng(9)
+    for slots in (10, 1):
+        q = rng.standard_normal((B, HKV, 2 * slots, D)).astype(np.float32)  # 2 query heads per KV head x slots
+        k, v = (rng.standard_normal((B, HKV, slots, D)).astype(np.float32) for _ in range(2))
+        lengths = np.array([slots, slots // 2, 0], np.int32)
+        for causal in (False, True):
+            out, lse = attention_kernels._grouped_xla(q, k, v, lengths, causal)
+            want_out, want_lse = attention_kernels._kernel_pallas(q, k, v, lengths, causal, interpret=True)
+            np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=1e-5, rtol=1e-5)
+            seen = np.asarray(lengths > 0)
+            np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(want_lse)[seen], atol=1e-5, rtol=1e-5)

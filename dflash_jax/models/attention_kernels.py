@@ -145,9 +145,12 @@ def _query_tile(rows: int) -> int | None:
     return next((d for d in range(PALLAS_Q_ROWS - PALLAS_Q_ROWS % TILE, 0, -TILE) if rows % d == 0), None)
 
 
-# Mosaic refuses dots whose key side is narrower than a sublane tile (seen: a causal segment of one key, the
-# autoregressive step, "vector.broadcast op failed to verify"); such segments are tiny and go to XLA.
-PALLAS_MIN_KEYS = 8
+# The kernel copies key chunks whose offsets and lengths must be whole sublane tiles (16 rows of bfloat16):
+# Mosaic refuses a one-key segment ("vector.broadcast op failed to verify", the autoregressive step) and a
+# 10-key verify block ("offsets along tiled dimensions must be aligned"). Caches have whole tiles of slots
+# (``generate.cache_slots``); a segment that does not (a verify block, a prompt width clipped by the context)
+# goes to XLA in the same layout: such segments are blocks, small next to the cache.
+PALLAS_KEY_ALIGN = 16
 
 
 def _grouped_xla(q, k, v, lengths, causal):
@@ -181,7 +184,7 @@ def _kernel_pallas(q, k, v, lengths, causal, interpret: bool = False):
 
     b, hkv, rows, d = q.shape
     slots = k.shape[2]
-    if slots < PALLAS_MIN_KEYS:
+    if slots % PALLAS_KEY_ALIGN and not interpret:  # (the interpreter has no tiles: the tests run the kernel)
         return _grouped_xla(q, k, v, lengths, causal)
     bq = _query_tile(rows)
     if bq is None:
