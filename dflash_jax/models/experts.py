@@ -188,53 +188,38 @@ class StackedExperts:
         params, _ = jax.lax.optimization_barrier((dict(self.params), x))
         return dataclasses.replace(self, params=params)
 
-    def all(self) -> dict[str, jax.Array]:
-        """Every expert's weights ``[E, in, out]`` and biases ``[E, width]`` in ``dtype`` (packed: all decoded;
-        the decoded copy is a temporary of this layer, about one layer's experts alive at a time)."""
+    def _each(self, packed, plain) -> dict[str, jax.Array]:
+        """Per projection: ``packed(blocks, scales, name)`` for MXFP4 blocks and their scales, else
+        ``plain(value)``; results in ``dtype``, keyed by projection."""
         out = {}
         for name, value in self.params.items():
             if name.endswith("_scales"):
                 continue
             if name.endswith("_blocks"):
                 proj = name[: -len("_blocks")]
-                out[proj] = mxfp4.dequantize_jax(value, self.params[f"{proj}_scales"], self.dtype,
-                                                 name=f"{self.name}/{proj}")
+                out[proj] = packed(value, self.params[f"{proj}_scales"], f"{self.name}/{proj}")
             else:
-                out[name] = value.astype(self.dtype)
+                out[name] = plain(value).astype(self.dtype)
         return out
+
+    def all(self) -> dict[str, jax.Array]:
+        """Every expert's weights ``[E, in, out]`` and biases ``[E, width]`` in ``dtype`` (packed: all decoded;
+        the decoded copy is a temporary of this layer, about one layer's experts alive at a time)."""
+        return self._each(lambda b, s, name: mxfp4.dequantize_jax(b, s, self.dtype, name=name), lambda v: v)
 
     def gathered(self, ids: jax.Array) -> dict[str, jax.Array]:
         """The weights and biases of the experts ``ids`` (any shape ``S``; repeats gathered again), in ``dtype``:
         ``[*S, in, out]``, packed ``[*S, out, in]`` (rows first, as stored: the uint8 blocks and scales of those
         experts are gathered, then only they are decoded); biases ``[*S, width]``. ``matvec`` takes either."""
-        out = {}
-        for name, value in self.params.items():
-            if name.endswith("_scales"):
-                continue
-            if name.endswith("_blocks"):
-                proj = name[: -len("_blocks")]
-                out[proj] = mxfp4.dequantize_rows_jax(value, self.params[f"{proj}_scales"], self.dtype, ids=ids,
-                                                      name=f"{self.name}/{proj}")
-            else:
-                out[name] = jnp.take(value, ids, axis=0, mode="clip").astype(self.dtype)
-        return out
+        return self._each(lambda b, s, name: mxfp4.dequantize_rows_jax(b, s, self.dtype, ids=ids, name=name),
+                          lambda v: jnp.take(v, ids, axis=0, mode="clip"))
 
     def expert(self, index: jax.Array) -> dict[str, jax.Array]:
         """One expert's weights and biases (``index``: a traced scalar), by dynamic slicing: ``gathered`` of a
         single id without a gather (XLA:CPU copies gathered slices; a dynamic slice is read in place)."""
-        out = {}
-        for name, value in self.params.items():
-            if name.endswith("_scales"):
-                continue
-            if name.endswith("_blocks"):
-                proj = name[: -len("_blocks")]
-                blocks = jax.lax.dynamic_index_in_dim(value, index, keepdims=False)
-                scales = jax.lax.dynamic_index_in_dim(self.params[f"{proj}_scales"], index, keepdims=False)
-                out[proj] = mxfp4.dequantize_rows_jax(blocks[None], scales[None], self.dtype,
-                                                      name=f"{self.name}/{proj}")[0]
-            else:
-                out[name] = jax.lax.dynamic_index_in_dim(value, index, keepdims=False).astype(self.dtype)
-        return out
+        one = lambda v: jax.lax.dynamic_index_in_dim(v, index, keepdims=True)  # noqa: E731
+        return self._each(lambda b, s, name: mxfp4.dequantize_rows_jax(one(b), one(s), self.dtype, name=name)[0],
+                          lambda v: one(v)[0])
 
     def matvec(self, rows: jax.Array, w: jax.Array) -> jax.Array:
         """``rows[..., :] @ W[...]`` for weights from ``gathered`` / ``expert`` (``[..., in]`` -> ``[..., out]``)."""
