@@ -45,6 +45,10 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"mlp/(gate|router)/kernel$", ("embed", None)),  # the router [H, E]: small, replicated over experts
     (r"mlp/router/bias$", (None,)),
     (r"mlp/e_score_correction_bias$", (None,)),  # MiniMax-M2's selection bias [E]: replicated like the router
+    # Gemma 4's router beside the dense MLP (``moe/router``): [H, E] like the others, its input scale [H] and
+    # per-expert scale [E] replicated; its experts follow the stacked-expert rules below.
+    (r"moe/router/proj/kernel$", ("embed", None)),
+    (r"moe/router/(scale|per_expert_scale)$", (None,)),
     (r"experts/(gate|up)_proj$", ("experts", "embed", "mlp")),
     (r"experts/down_proj$", ("experts", "mlp", "embed")),
     (r"experts/(gate|up)_proj_bias$", ("experts", "mlp")),
@@ -62,6 +66,7 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"experts/down_proj_scales$", ("experts", "embed", "mlp")),
     (r"shared_expert_gate/kernel$", ("embed", None)),
     (r"self_attn/sinks$", ("heads",)),
+    (r"/layer_scalar$", (None,)),  # Gemma 4's stored per-layer output scale [1]
     # Gated DeltaNet (hybrid targets): projections into the linear heads' channels over tensor (like an MLP's
     # hidden units), the depthwise conv per channel, the per-head decay parameters replicated (tiny).
     (r"linear_attn/in_proj_(qkv|z|b|a)/kernel$", ("embed", "linear")),
@@ -78,7 +83,8 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"candidate_selector/hidden_projection/kernel$", ("embed", None)),
     # Every RMSNorm (layer norms, q/k norms, final and hidden norms, DeltaNet's), replicated: also MiniMax-M2's
     # q/k norms over the whole projection ([heads * head_dim]; their RMS is reduced over the tensor axis).
-    (r"norm/weight$", ("norm",)),
+    # Gemma 4's numbered FFN norms (``pre_feedforward_layernorm_2``, ``post_feedforward_layernorm_1`` / ``_2``).
+    (r"norm(_\d)?/weight$", ("norm",)),
 )
 
 LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {

@@ -1,8 +1,14 @@
-"""Tiny random Hugging Face targets saved with ``save_pretrained``, used as independent references."""
+"""Tiny random Hugging Face targets saved with ``save_pretrained``, used as independent references, and the
+helpers that compare our target with them (right-padded batched forward, errors scaled by magnitude)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import numpy as np
+
+PROMPT_LENGTHS = (5, 11, 17)
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=97, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -52,10 +58,21 @@ def make_hf_target(variant: str, out_dir: Path, seed: int = 0, **overrides):
     cfg_cls, model_cls, extra = VARIANTS[variant]
     cfg = getattr(transformers, cfg_cls)(**{**TINY, **extra, **overrides})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(cfg).eval()
+    model = randomise(getattr(transformers, model_cls)(cfg).eval())
+    model.save_pretrained(out_dir)
+    return model
+
+
+def randomise(model):
+    """Draw every weight of a transformers model away from its init, in place (a loader or decoder that
+    ignored one would fail the parity checks): norm weights and scales around their init (1, or 0 for
+    zero-centred norms), biases and the rest around 0, attention sinks around 1, and the saved buffers that
+    are weights (MiniMax-M2's selection bias, Gemma 4's ``layer_scalar``) too. Returns the model."""
+    import torch
+
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # around the init: 1, or 0 for zero-centred norms (1 + w)
+            if re.search(r"norm(_\d)?\.weight$", name) or name.endswith("scale"):  # Gemma 4: router scales
                 p.copy_(p + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
@@ -63,5 +80,73 @@ def make_hf_target(variant: str, out_dir: Path, seed: int = 0, **overrides):
                 p.copy_(1.0 + torch.randn_like(p))
             else:
                 p.copy_(0.15 * torch.randn_like(p))
-    model.save_pretrained(out_dir)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # comparable to the sigmoid scores it shifts
+                b.copy_(0.5 * torch.randn_like(b))
+            elif name.endswith("layer_scalar"):
+                b.copy_(b + 0.3 * torch.randn_like(b))
     return model
+
+
+def overridden(cfg: dict, **overrides) -> dict:
+    """A config dict with ``overrides`` set; a None value removes its field (a config.json without it)."""
+    out = dict(cfg)
+    for key, value in overrides.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def prompts(vocab: int, seed: int = 0, lengths=PROMPT_LENGTHS) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, size=n) for n in lengths]
+
+
+def scaled_error(ours, ref) -> float:
+    """Max absolute error, relative to the reference's magnitude where that exceeds 1 (float32 rounding grows
+    with it: the hybrids' features reach ~10 in these random models)."""
+    return float(np.abs(ours - ref).max() / max(1.0, np.abs(ref).max()))
+
+
+def hf_forward(hf_model, ids):
+    """Logits and ``hidden_states`` (index 0 the embedding output, the last entry after the final norm)."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model(torch.tensor(ids)[None], output_hidden_states=True)
+    return out.logits[0].numpy(), [h[0].numpy() for h in out.hidden_states]
+
+
+def batched_forward(config, params, rows, apply=None):
+    """Our logits ``[B, T, V]`` and every layer's features ``[B, T, L, H]`` for right-padded ``rows`` (one
+    forward, padding marked invalid). ``apply``: ``TargetModel(config).apply`` or a jitted form of it."""
+    from dflash_jax.models.target import TargetModel
+
+    t = max(len(r) for r in rows)
+    tokens = np.zeros((len(rows), t), np.int32)
+    valid = np.zeros((len(rows), t), bool)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = r
+        valid[b, : len(r)] = True
+    layers = tuple(range(config.num_hidden_layers))
+    apply = apply or TargetModel(config).apply
+    out = apply({"params": params}, tokens, np.broadcast_to(np.arange(t), tokens.shape), valid=valid,
+                feature_layers=layers)
+    feats = np.asarray(out.features).reshape(len(rows), t, len(layers), config.hidden_size)
+    return np.asarray(out.logits), feats
+
+
+def worst_errors(config, params, hf_model, rows, apply=None) -> tuple[float, float]:
+    """``scaled_error`` of our logits and of every layer's feature (``hidden_states[i + 1]`` for layer ``i``, the
+    last after the final norm: SPEC section 3) against transformers', the worst over ``rows``."""
+    logits, feats = batched_forward(config, params, rows, apply)
+    worst_logit = worst_feat = 0.0
+    for b, r in enumerate(rows):
+        ref_logits, ref_hidden = hf_forward(hf_model, r)
+        assert len(ref_hidden) == config.num_hidden_layers + 1
+        worst_logit = max(worst_logit, scaled_error(logits[b, : len(r)], ref_logits))
+        for i in range(config.num_hidden_layers):
+            worst_feat = max(worst_feat, scaled_error(feats[b, : len(r), i], ref_hidden[i + 1]))
+    return worst_logit, worst_feat

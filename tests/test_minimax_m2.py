@@ -18,7 +18,6 @@ identical token for token; a save/load round trip through transformers within 1e
 import dataclasses
 import json
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -29,8 +28,10 @@ from dflash_jax.checkpoints.official_draft import init_draft_params  # noqa: E40
 from dflash_jax.engine.decoder import Decoder  # noqa: E402
 from dflash_jax.models.config import ConfigError, TargetConfig  # noqa: E402
 from dflash_jax.models.draft_config import DraftConfig  # noqa: E402
-from dflash_jax.models.target import TargetModel  # noqa: E402
 from draft_tiny import official_config  # noqa: E402
+from hf_tiny import (  # noqa: E402
+    batched_forward, hf_forward, overridden, prompts, randomise, scaled_error, worst_errors,
+)
 
 TOL = 1e-4
 VOCAB = 300
@@ -38,22 +39,12 @@ TINY = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_atten
             head_dim=16, num_local_experts=8, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=256,
             rms_norm_eps=1e-6, partial_rotary_factor=0.5, bos_token_id=0, eos_token_id=None,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
-PROMPT_LENGTHS = (5, 11, 17)
 
 
 def make_hf_minimax(out_dir, seed=0):
     cfg = transformers.MiniMaxM2Config(**TINY)
     torch.manual_seed(seed)
-    model = transformers.MiniMaxM2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # input/post-attention/final norms, q_norm [64], k_norm [32]
-                p.copy_(p + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # a buffer: named_parameters() misses it
-                b.copy_(0.5 * torch.randn_like(b))
+    model = randomise(transformers.MiniMaxM2ForCausalLM(cfg).eval())  # the selection bias is a buffer
     model.save_pretrained(out_dir)
     return model
 
@@ -64,36 +55,6 @@ def pair(tmp_path_factory):
     hf_model = make_hf_minimax(out)
     config, params = load_target(out)
     return out, hf_model, config, params
-
-
-def prompts(seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, VOCAB, size=n) for n in PROMPT_LENGTHS]
-
-
-def scaled_error(ours, ref):
-    return float(np.abs(ours - ref).max() / max(1.0, np.abs(ref).max()))
-
-
-def hf_forward(hf_model, ids):
-    with torch.no_grad():
-        out = hf_model(torch.tensor(ids)[None], output_hidden_states=True)
-    return out.logits[0].numpy(), [h[0].numpy() for h in out.hidden_states]
-
-
-def batched_forward(config, params, rows):
-    """Our logits ``[B, T, V]`` and every layer's features ``[B, T, L, H]`` of right-padded rows."""
-    t = max(len(r) for r in rows)
-    tokens = np.zeros((len(rows), t), np.int32)
-    valid = np.zeros((len(rows), t), bool)
-    for b, r in enumerate(rows):
-        tokens[b, : len(r)] = r
-        valid[b, : len(r)] = True
-    layers = tuple(range(config.num_hidden_layers))
-    out = TargetModel(config).apply({"params": params}, tokens, np.broadcast_to(np.arange(t), tokens.shape),
-                                    valid=valid, feature_layers=layers)
-    feats = np.asarray(out.features).reshape(len(rows), t, len(layers), config.hidden_size)
-    return np.asarray(out.logits), feats
 
 
 def test_config_reads_the_family(pair):
@@ -111,15 +72,7 @@ def test_config_reads_the_family(pair):
 
 def test_logits_and_every_layer_match_transformers(pair):
     _, hf_model, config, params = pair
-    rows = prompts()
-    logits, feats = batched_forward(config, params, rows)
-    worst_logit = worst_feat = 0.0
-    for b, r in enumerate(rows):
-        ref_logits, ref_hidden = hf_forward(hf_model, r)
-        assert len(ref_hidden) == config.num_hidden_layers + 1
-        worst_logit = max(worst_logit, scaled_error(logits[b, : len(r)], ref_logits))
-        for i in range(config.num_hidden_layers):  # the last one after the final norm (SPEC 11.0)
-            worst_feat = max(worst_feat, scaled_error(feats[b, : len(r), i], ref_hidden[i + 1]))
+    worst_logit, worst_feat = worst_errors(config, params, hf_model, prompts(VOCAB))
     print(f"minimax_m2: logits vs hf {worst_logit:.2e}, features {worst_feat:.2e}")
     assert worst_logit <= TOL and worst_feat <= TOL
 
@@ -153,14 +106,14 @@ def test_the_fixture_exercises_each_difference(pair, mutation):
     _, hf_model, config, params = pair
     mutate = {"no_correction_bias": _no_bias, "unit_q_norm": _unit_norm("q_norm"),
               "unit_k_norm": _unit_norm("k_norm"), "full_rotary": _full_rotary}[mutation]
-    row = prompts()[2]
+    row = prompts(VOCAB)[2]
     logits, _ = batched_forward(*mutate(config, params), [row])
     assert scaled_error(logits[0], hf_forward(hf_model, row)[0]) > 100 * TOL
 
 
 def test_greedy_continuation_matches_generate(pair):
     _, hf_model, config, params = pair
-    batch = prompts(seed=2)
+    batch = prompts(VOCAB, seed=2)
     ours = Decoder(config, params).generate(batch, 24, baseline=True).tokens
     for prompt, row in zip(batch, ours):
         with torch.no_grad():
@@ -175,7 +128,7 @@ def test_dflash_with_a_random_draft_equals_autoregressive_decoding(pair):
         vocab_size=VOCAB, block_size=8, num_target_layers=config.num_hidden_layers,
         dflash_config={"target_layer_ids": [0, 1], "mask_token_id": VOCAB - 1}))
     decoder = Decoder(config, params, draft_config, init_draft_params(draft_config, seed=1))
-    batch = [p.tolist() for p in prompts(seed=3)]
+    batch = [p.tolist() for p in prompts(VOCAB, seed=3)]
     ar = decoder.generate(batch, 24, baseline=True)
     out = decoder.generate(batch, 24)
     assert out.tokens == ar.tokens
@@ -194,7 +147,7 @@ def test_save_target_round_trips_through_transformers(pair, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(reloaded).__name__ == "MiniMaxM2ForCausalLM"
     assert TargetConfig.from_json(tmp_path) == config
-    row = prompts()[1]
+    row = prompts(VOCAB)[1]
     with torch.no_grad():
         ref = hf_model(torch.tensor(row)[None]).logits
         again = reloaded(torch.tensor(row)[None]).logits
@@ -204,12 +157,7 @@ def test_save_target_round_trips_through_transformers(pair, tmp_path):
 def _config(**overrides):
     cfg = {"model_type": "minimax_m2", **TINY, "rope_parameters": dict(TINY["rope_parameters"])}
     cfg.pop("partial_rotary_factor")
-    for key, value in overrides.items():
-        if value is None:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
-    return cfg
+    return overridden(cfg, **overrides)
 
 
 @pytest.mark.parametrize("overrides, field", [

@@ -22,9 +22,8 @@ torch = pytest.importorskip("torch")
 from dflash_jax.checkpoints.hf_target import load_target  # noqa: E402
 from dflash_jax.engine.decoder import Decoder  # noqa: E402
 from dflash_jax.models.target import TargetModel, init_cache  # noqa: E402
-from hf_tiny import VARIANTS, make_hf_target  # noqa: E402
+from hf_tiny import VARIANTS, make_hf_target, prompts, worst_errors  # noqa: E402
 
-PROMPT_LENGTHS = (5, 11, 17)
 TOL = 1e-4
 # Hybrid targets: the cached extension runs the delta rule as one chunk per call, the full forward as 64-token
 # chunks (or step by step); the three forms round differently by ~1e-5 relative after four layers.
@@ -39,45 +38,9 @@ def pair(request, tmp_path_factory):
     return request.param, hf_model, config, params
 
 
-def prompts(vocab, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, size=n) for n in PROMPT_LENGTHS]
-
-
-def scaled_error(ours, ref):
-    """Max absolute error, relative to the reference's magnitude where that exceeds 1 (float32 rounding grows
-    with it: the hybrids' features reach ~10 in these random models)."""
-    return float(np.abs(ours - ref).max() / max(1.0, np.abs(ref).max()))
-
-
-def hf_forward(hf_model, ids):
-    """Logits and ``hidden_states`` (index 0 the embedding output, the last entry after the final norm)."""
-    with torch.no_grad():
-        out = hf_model(torch.tensor(ids)[None], output_hidden_states=True)
-    return out.logits[0].numpy(), [h[0].numpy() for h in out.hidden_states]
-
-
 def test_batched_logits_and_features_match_transformers(pair):
     name, hf_model, config, params = pair
-    model = TargetModel(config)
-    rows = prompts(config.vocab_size)
-    t = max(len(r) for r in rows)
-    tokens = np.zeros((len(rows), t), np.int32)
-    valid = np.zeros((len(rows), t), bool)
-    for b, r in enumerate(rows):
-        tokens[b, : len(r)] = r
-        valid[b, : len(r)] = True
-    positions = np.broadcast_to(np.arange(t), tokens.shape)
-    layers = tuple(range(config.num_hidden_layers))
-    out = model.apply({"params": params}, tokens, positions, valid=valid, feature_layers=layers)
-    feats = np.asarray(out.features).reshape(len(rows), t, len(layers), config.hidden_size)
-    worst_logit = worst_feat = 0.0
-    for b, r in enumerate(rows):
-        ref_logits, ref_hidden = hf_forward(hf_model, r)
-        assert len(ref_hidden) == len(layers) + 1
-        worst_logit = max(worst_logit, scaled_error(np.asarray(out.logits)[b, : len(r)], ref_logits))
-        for i in layers:  # every layer, the last included (SPEC section 3)
-            worst_feat = max(worst_feat, scaled_error(feats[b, : len(r), i], ref_hidden[i + 1]))
+    worst_logit, worst_feat = worst_errors(config, params, hf_model, prompts(config.vocab_size))
     print(f"{name}: logits vs hf {worst_logit:.2e}, features vs hf hidden_states[i+1] {worst_feat:.2e} "
           "(max abs error / max(1, max |hf|))")
     assert worst_logit <= TOL

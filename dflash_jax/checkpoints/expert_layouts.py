@@ -10,7 +10,9 @@ The experts' parameters are ``[E, in, out]`` stacks (``experts/{gate,up}_proj [E
   ``.w2`` (down) ``.weight``; its router ``block_sparse_moe.gate.weight`` and ``e_score_correction_bias``
   (``moe_key``);
 - fused, Qwen style (transformers' in-memory layout): ``mlp.experts.gate_up_proj [E, 2I, H]`` with the gate
-  rows first, ``mlp.experts.down_proj [E, H, I]``;
+  rows first, ``mlp.experts.down_proj [E, H, I]``; Gemma 4 stores its experts so, on disk too, at the layer's
+  top level (``layers.{i}.experts.*``, ``layers.{i}.router.{proj.weight,scale,per_expert_scale}``: the
+  params' ``moe`` block, ``moe_key``) beside its dense ``mlp``;
 - fused, gpt-oss style: ``mlp.experts.gate_up_proj [E, H, 2I]`` (``x @ W``) with gate and up INTERLEAVED
   (gate = even columns), ``gate_up_proj_bias [E, 2I]`` likewise, ``down_proj [E, I, H]``, ``down_proj_bias``;
 - gpt-oss MXFP4 (released weights): ``gate_up_proj_blocks``/``_scales`` and ``down_proj_blocks``/``_scales``
@@ -42,6 +44,9 @@ PACKED_SUFFIXES = ("_blocks", "_scales")
 # projections w1/w3/w2 (our ``experts/{gate,up,down}_proj``).
 MIXTRAL_STYLE = ("minimax_m2",)
 MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# Families whose expert block (params ``layers_{i}/moe``, beside the dense ``mlp``) is stored at the layer's top
+# level, its experts fused Qwen style (Gemma 4).
+TOP_LEVEL_MOE = ("gemma4_text",)
 #: ``load_target(..., mxfp4=...)``: what to do with MXFP4 expert weights.
 MXFP4_MODES = ("dequantize", "packed")
 
@@ -65,9 +70,12 @@ def with_mxfp4(config: TargetConfig, mxfp4_mode: str, source: str = "") -> Targe
 
 def moe_key(config: TargetConfig, key: str) -> str:
     """A stored key as this family names it: ``model.layers.3.mlp.gate.weight`` (the param mirror) is
-    ``model.layers.3.block_sparse_moe.gate.weight`` on disk for the ``MIXTRAL_STYLE`` families."""
+    ``model.layers.3.block_sparse_moe.gate.weight`` on disk for the ``MIXTRAL_STYLE`` families, and
+    ``model.layers.3.moe.router.scale`` is ``model.layers.3.router.scale`` for the ``TOP_LEVEL_MOE`` ones."""
     if config.model_type in MIXTRAL_STYLE:
         return re.sub(r"(^|\.)(layers\.\d+)\.mlp\.", r"\1\2.block_sparse_moe.", key, count=1)
+    if config.model_type in TOP_LEVEL_MOE:
+        return re.sub(r"(^|\.)(layers\.\d+)\.moe\.", r"\1\2.", key, count=1)
     return key
 
 
@@ -80,7 +88,7 @@ def expert_rule(config: TargetConfig, source: SafetensorsDir, prefix: str,
     """The stored tensors and the transform that make the expert parameter at ``path``
     (``('layers_3', 'mlp', 'experts', 'gate_proj')``), for whichever layout ``source`` holds."""
     layer = int(path[0].split("_")[1])
-    base = f"{prefix}layers.{layer}.mlp.experts"
+    base = moe_key(config, f"{prefix}layers.{layer}.{path[1]}.experts")
     e, h, i = config.experts.num_experts, config.hidden_size, config.experts.intermediate_size
     name, where = path[-1], f"{base} ({path[-1]})"
     has = source.key_to_file.__contains__
@@ -91,7 +99,7 @@ def expert_rule(config: TargetConfig, source: SafetensorsDir, prefix: str,
     # Qwen style
     if name.endswith("_bias"):
         raise CheckpointError(f"{source.path}: {config.model_type} experts have no biases ({name})")
-    if has(f"{base}.gate_up_proj"):
+    if has(f"{base}.gate_up_proj") or config.model_type in TOP_LEVEL_MOE:  # Gemma 4 stores only this form
         if name == "down_proj":  # [E, H, I] ([out, in]) -> [E, I, H]
             return Derived((f"{base}.down_proj",), ((e, h, i),), lambda a: a[0].transpose(0, 2, 1), name=where)
         half = slice(0, i) if name == "gate_proj" else slice(i, 2 * i)
@@ -99,7 +107,7 @@ def expert_rule(config: TargetConfig, source: SafetensorsDir, prefix: str,
                        lambda a: a[0][:, half, :].transpose(0, 2, 1), name=where)
     stored = (i, h) if name != "down_proj" else (h, i)
     if config.model_type in MIXTRAL_STYLE:
-        keys = tuple(f"{moe_key(config, base)}.{j}.{MIXTRAL_NAMES[name]}.weight" for j in range(e))
+        keys = tuple(f"{base}.{j}.{MIXTRAL_NAMES[name]}.weight" for j in range(e))
     else:
         keys = tuple(f"{base}.{j}.{name}.weight" for j in range(e))
     return Derived(keys, (stored,) * e, lambda a: np.stack([w.T for w in a]), name=where)
@@ -146,9 +154,15 @@ def _gpt_oss_packed_rule(source: SafetensorsDir, base: str, name: str, e: int, h
 
 def export_expert_tensors(config: TargetConfig, layer_params: dict, prefix: str, layer: int) -> dict:
     """One layer's expert parameters in the layout transformers writes for this family (per expert for
-    Qwen3-MoE and, with Mixtral names, MiniMax-M2; fused and interleaved for gpt-oss)."""
+    Qwen3-MoE and, with Mixtral names, MiniMax-M2; fused and interleaved for gpt-oss; fused, gate rows first,
+    for Gemma 4)."""
     p = {k: np.asarray(v) for k, v in layer_params.items()}
-    base = f"{prefix}layers.{layer}.mlp.experts"
+    block = "moe" if config.model_type in TOP_LEVEL_MOE else "mlp"
+    base = moe_key(config, f"{prefix}layers.{layer}.{block}.experts")
+    if config.model_type in TOP_LEVEL_MOE:  # [E, H, I] gate and up -> [E, 2I, H]; down [E, I, H] -> [E, H, I]
+        return {f"{base}.gate_up_proj": np.ascontiguousarray(
+                    np.concatenate([p["gate_proj"], p["up_proj"]], axis=-1).transpose(0, 2, 1)),
+                f"{base}.down_proj": np.ascontiguousarray(p["down_proj"].transpose(0, 2, 1))}
     if config.model_type == "gpt_oss":
         def interleave(gate, up):
             out = np.empty(gate.shape[:-1] + (2 * gate.shape[-1],), gate.dtype)
@@ -159,7 +173,7 @@ def export_expert_tensors(config: TargetConfig, layer_params: dict, prefix: str,
                 f"{base}.gate_up_proj_bias": interleave(p["gate_proj_bias"], p["up_proj_bias"]),
                 f"{base}.down_proj": p["down_proj"], f"{base}.down_proj_bias": p["down_proj_bias"]}
     if config.model_type in MIXTRAL_STYLE:
-        return {f"{moe_key(config, base)}.{j}.{MIXTRAL_NAMES[name]}.weight": np.ascontiguousarray(p[name][j].T)
+        return {f"{base}.{j}.{MIXTRAL_NAMES[name]}.weight": np.ascontiguousarray(p[name][j].T)
                 for name in ("gate_proj", "up_proj", "down_proj") for j in range(config.experts.num_experts)}
     return {f"{base}.{j}.{name}.weight": np.ascontiguousarray(p[name][j].T)
             for name in ("gate_proj", "up_proj", "down_proj") for j in range(config.experts.num_experts)}

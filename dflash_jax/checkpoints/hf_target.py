@@ -39,10 +39,13 @@ from dflash_jax.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
 
-# Multimodal checkpoints (Qwen3.5/3.6) keep the language model under this prefix, next to the vision tower
-# and the multi-token-prediction head, which a text target does not use.
+# Multimodal checkpoints (Qwen3.5/3.6, Gemma 4) keep the language model under this prefix, next to the vision
+# (and audio) towers and the multi-token-prediction head, which a text target does not use.
 LANGUAGE_MODEL_PREFIX = "model.language_model."
-UNUSED_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token prediction head"}
+UNUSED_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token prediction head",
+                   "model.vision_tower.": "vision tower", "model.embed_vision.": "vision embedder",
+                   "model.vision_embedder.": "vision embedder", "model.audio_tower.": "audio tower",
+                   "model.embed_audio.": "audio embedder"}
 # Families whose Gated DeltaNet checkpoints fuse the input projections per key head (Qwen3-Next).
 GROUPED_LINEAR_PROJECTIONS = ("qwen3_next",)
 SPLIT_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -92,7 +95,7 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
         if config.model_type in GROUPED_LINEAR_PROJECTIONS and param_path[-2] in SPLIT_PROJECTIONS:
             return _grouped_projection_rule(config, prefix, param_path)
         key = mirror(param_path)
-        stored = moe_key(config, key)  # MiniMax-M2's router and selection bias under block_sparse_moe
+        stored = moe_key(config, key)  # MiniMax-M2's router under block_sparse_moe, Gemma 4's at the top level
         return key if stored not in source.key_to_file and key in source.key_to_file else stored
 
     def put(param_path, arr):

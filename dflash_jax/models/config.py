@@ -1,13 +1,13 @@
 """Target model configuration, parsed from a Hugging Face ``config.json``.
 
-One decoder implementation covers LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss and the hybrid
-Qwen3-Next / Qwen3.5 / Qwen3.6. A family is a small set of differences from the dense decoder: attention
-flags, a per-layer plan (which layers mix tokens by softmax attention or by Gated DeltaNet linear attention,
-which route through experts, which attend through a sliding window), an :class:`ExpertsConfig` and a
-:class:`GatedDeltaNetConfig`. Each family's reader below
-(``FAMILIES``) turns its Hugging Face fields into those differences. Anything this implementation does not
-compute exactly is refused with an error that names the file and the field, because a silently different
-model would break losslessness downstream.
+One decoder implementation covers LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss, the hybrid
+Qwen3-Next / Qwen3.5 / Qwen3.6, MiniMax-M2 and Gemma 4's text decoders. A family is a small set of differences
+from the dense decoder: attention flags, a per-layer plan (which layers mix tokens by softmax attention or by
+Gated DeltaNet linear attention, which route through experts, which attend through a sliding window), an
+:class:`ExpertsConfig` and a :class:`GatedDeltaNetConfig`. Each family's reader below (``FAMILIES``) turns
+its Hugging Face fields into those differences. Anything this implementation does not compute exactly is
+refused with an error that names the file and the field, because a silently different model would break
+losslessness downstream.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from dflash_jax.errors import UserError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 class ConfigError(UserError):
@@ -42,6 +42,9 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    # "proportional" (Gemma 4's full layers): only the first ``int(partial_rotary_factor * head_dim // 2)``
+    # frequencies turn (exponents over the WHOLE head_dim), the others are zero, then all are divided by factor.
+    partial_rotary_factor: float = 1.0
 
 
 def parse_rope(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
@@ -67,6 +70,11 @@ def parse_rope(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
     where = f"{source} (rope scaling)"
     if rope_type in ("linear", "llama3", "yarn"):
         kw["factor"] = float_field(merged, "factor", where, positive=True)
+    if rope_type == "proportional":
+        kw["factor"] = float_field(merged, "factor", where, 1.0, positive=True)
+        kw["partial_rotary_factor"] = float_field(merged, "partial_rotary_factor", where, 1.0, positive=True)
+        if kw["partial_rotary_factor"] > 1:
+            raise ConfigError(f"{where}: partial_rotary_factor must be at most 1, got {kw['partial_rotary_factor']}")
     if rope_type == "llama3":
         kw["low_freq_factor"] = float_field(merged, "low_freq_factor", where, positive=True)
         kw["high_freq_factor"] = float_field(merged, "high_freq_factor", where, positive=True)
@@ -111,6 +119,9 @@ def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
             "attention_factor": rope.attention_factor,
             "original_max_position_embeddings": rope.original_max_position_embeddings,
         }
+    elif rope.rope_type == "proportional":  # transformers' check names "factor" unexpected, though it reads it
+        out["rope_scaling"] = {"rope_type": "proportional", "partial_rotary_factor": rope.partial_rotary_factor,
+                               **({"factor": rope.factor} if rope.factor != 1.0 else {})}
     return out
 
 
@@ -248,7 +259,12 @@ class ExpertsConfig:
     selection_bias: bool = False
     router_bias: bool = False
     expert_bias: bool = False
-    # "silu": SwiGLU ``down(silu(gate) * up)``; "clamped_swiglu": gpt-oss's ``(clip(up) + 1) * glu(min(gate))``.
+    # Gemma 4's router (``router/proj``): it reads its input RMS-normalised without a weight (this eps), times
+    # a learned ``router/scale [H]`` and H^-0.5, and each chosen expert's renormalised weight is multiplied by
+    # its learned ``router/per_expert_scale [E]``. None: the plain router.
+    router_norm_eps: float | None = None
+    # "silu": SwiGLU ``down(silu(gate) * up)``; "gelu_tanh": GeGLU with tanh-approximated GELU (Gemma 4);
+    # "clamped_swiglu": gpt-oss's ``(clip(up) + 1) * glu(min(gate))``.
     activation: str = "silu"
     swiglu_limit: float = 7.0
     shared_intermediate_size: int = 0  # a shared expert scaled by sigmoid(shared_expert_gate(x)); 0 = none
@@ -332,15 +348,31 @@ class TargetConfig:
     attention_output_gate: bool = False  # q_proj also yields a per-head gate: out * sigmoid(gate) before o_proj
     rotary_dim: int = 0  # RoPE rotates the first ``rotary_dim`` dims of each head (partial rotary); 0 = all
     zero_centered_norms: bool = False  # RMSNorm scales by (1 + w): the stored w starts at 0
+    # Gemma 4. Full-attention layers (no window) with their own head size, KV heads and RoPE (0 / None: the
+    # same as the others); ``attention_k_eq_v``: those layers have no v_proj, V is the raw k_proj output (before
+    # k_norm, without RoPE); ``v_norm``: V is RMS-normalised per head without a weight; ``attention_scale``:
+    # the softmax scale (None: 1/sqrt(head_dim)).
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    global_rope: RopeConfig | None = None
+    attention_k_eq_v: bool = False
+    v_norm: bool = False
+    attention_scale: float | None = None
+    hidden_act: str = "silu"  # the dense MLP's gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    scale_embeddings: bool = False  # the embeddings times sqrt(hidden_size), rounded to the weights' dtype
+    # Sandwich norms: the attention output goes through ``post_attention_layernorm`` before the residual add,
+    # the FFN reads ``pre_feedforward_layernorm`` and its output goes through ``post_feedforward_layernorm``.
+    sandwich_norms: bool = False
+    layer_scalar: bool = False  # each layer's output times its stored ``layer_scalar [1]``
+    # The experts run BESIDE the dense MLP of an expert layer (Gemma 4's ``enable_moe_block``): each has its
+    # own pre/post norms (``pre_feedforward_layernorm_2``, ``post_feedforward_layernorm_1`` / ``_2``), and the
+    # router reads the un-normed residual.
+    experts_beside_mlp: bool = False
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     # Not a checkpoint setting: each KV head is kept this many times in the cache, so that a model with fewer
     # KV heads than the mesh's tensor axis still splits its cache over it (``sharding.kv_replicas``; the
     # engine sets it). The projections are unchanged; the copies are made after them.
     kv_replicas: int = 1
-
-    @property
-    def cache_kv_heads(self) -> int:
-        """KV heads of a cache: the model's, each kept ``kv_replicas`` times."""
-        return self.num_key_value_heads * self.kv_replicas
 
     def is_expert_layer(self, i: int) -> bool:
         return i in self.expert_layers
@@ -359,6 +391,18 @@ class TargetConfig:
 
     def window(self, i: int) -> int | None:
         return self.layer_windows[i] if self.layer_windows else None
+
+    def attention_dims(self, window: int | None) -> tuple[int, int, RopeConfig]:
+        """Head size, KV heads and RoPE of the attention layers with this ``window`` (None: the full layers,
+        whose shape Gemma 4 sets apart)."""
+        if window is None and self.global_head_dim:
+            return self.global_head_dim, self.global_kv_heads or self.num_key_value_heads, self.global_rope or self.rope
+        return self.head_dim, self.num_key_value_heads, self.rope
+
+    def kv_copies(self, kv_heads: int) -> int:
+        """How many times a layer with ``kv_heads`` keeps each KV head in its cache: ``kv_replicas`` where the
+        copies still split each head's group of query heads evenly, else once (exact either way)."""
+        return self.kv_replicas if (self.num_attention_heads // kv_heads) % self.kv_replicas == 0 else 1
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "config") -> "TargetConfig":
@@ -420,6 +464,9 @@ class TargetConfig:
         }
         if self.model_type not in ("qwen2", "minimax_m2"):
             out["attention_bias"] = self.qkv_bias
+        if self.model_type in GEMMA4_TEXT:
+            del out["hidden_act"]
+            out.update(_gemma4_to_hf(self))
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
         e = self.experts
@@ -451,7 +498,8 @@ class TargetConfig:
             if self.model_type == "qwen3_next":
                 out.update(decoder_sparse_step=1, mlp_only_layers=[
                     i for i in range(self.num_hidden_layers) if i not in self.expert_layers])
-        out.update(rope_to_hf(self.rope))
+        if self.model_type not in GEMMA4_TEXT:
+            out.update(rope_to_hf(self.rope))
         if self.rotary_dim:
             out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope.theta,
                                       "partial_rotary_factor": self.rotary_dims / self.head_dim}
@@ -704,13 +752,150 @@ def _minimax_m2_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> 
     )
 
 
+# Gemma 4's text decoders: ``gemma4_text`` (31B, 26B-A4B, and the E-series this reader refuses) and
+# ``gemma4_unified_text`` (12B: the same layer without MoE and per-layer embeddings).
+GEMMA4_TEXT = ("gemma4_text", "gemma4_unified_text")
+GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},  # transformers' default
+               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}
+
+
+def _gemma4_layer_types(cfg: Mapping[str, Any], source: str, num_layers: int) -> list[str]:
+    """``layer_types`` (absent: every 6th layer full); transformers forces the last layer to full attention."""
+    types = cfg.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"sliding_attention",
+                                                                                  "full_attention"}:
+        raise ConfigError(f"{source}: field 'layer_types' must list 'sliding_attention' or 'full_attention' for "
+                          f"each of the {num_layers} layers, got {types!r}")
+    return types[:-1] + ["full_attention"]
+
+
+def _gemma4_full_shape(cfg: Mapping[str, Any], source: str, types: list[str], head_dim: int, kv_heads: int,
+                       k_eq_v: bool) -> tuple[int, int]:
+    """The full layers' (head_dim, KV heads). transformers 5.x writes ``per_layer_config`` (``{"<layer>":
+    {"head_dim": .., "num_key_value_heads": ..}}``); without it the layer reads ``global_head_dim`` (default
+    512, not ``head_dim``) and, only with ``attention_k_eq_v``, ``num_global_key_value_heads``."""
+    per_layer = cfg.get("per_layer_config")
+    if per_layer is None:
+        dim = int_field(cfg, "global_head_dim", source, 512)
+        kv = int_field(cfg, "num_global_key_value_heads", source, None) if k_eq_v else None
+        return dim, kv or kv_heads
+    if not isinstance(per_layer, Mapping):
+        raise ConfigError(f"{source}: field 'per_layer_config' must be an object, got {per_layer!r}")
+    shapes = {}
+    for key, value in per_layer.items():
+        where = f"{source} (per_layer_config[{key!r}])"
+        if not str(key).isdigit() or int(key) >= len(types) or not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a layer index in 0..{len(types) - 1} and an object")
+        if set(value) - {"head_dim", "num_key_value_heads"}:
+            raise ConfigError(f"{where}: only 'head_dim' and 'num_key_value_heads' may differ per layer, got "
+                              f"{sorted(value)}")
+        shapes[int(key)] = (int_field(value, "head_dim", where, head_dim),
+                            int_field(value, "num_key_value_heads", where, kv_heads))
+    of = {t: {shapes.get(i, (head_dim, kv_heads)) for i, u in enumerate(types) if u == t} for t in set(types)}
+    if len(of["full_attention"]) != 1 or of.get("sliding_attention", {(head_dim, kv_heads)}) != {(head_dim, kv_heads)}:
+        raise ConfigError(f"{source}: field 'per_layer_config' must give every full_attention layer the same "
+                          f"head_dim and num_key_value_heads and leave the sliding ones at the top-level values; "
+                          f"got {dict(per_layer)!r}")
+    return next(iter(of["full_attention"]))
+
+
+def _gemma4_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """Gemma 4's text decoder (``gemma4_text``: 31B dense, 26B-A4B MoE; ``gemma4_unified_text``: 12B), from the
+    Qwen3 decoder: embeddings times sqrt(H); four RMSNorms per layer (``w * x``, the weight applied in
+    float32) and a stored ``layer_scalar``; sliding (``head_dim``, default RoPE) and full layers (their own
+    head size and KV heads, proportional RoPE, with ``attention_k_eq_v`` V from the raw k_proj); a
+    weightless V norm, softmax scale 1; GeGLU; optional final logit soft-capping; with ``enable_moe_block``
+    (gemma4_text) an expert block beside the dense MLP of every layer. Per-layer embeddings and KV sharing
+    (the E-series) are refused."""
+    unified = cfg["model_type"] == "gemma4_unified_text"
+    act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"{source}: hidden_activation {act!r} is not supported (only 'gelu_pytorch_tanh')")
+    if cfg.get("use_bidirectional_attention") not in (None, "vision"):  # "vision" changes image tokens only
+        raise ConfigError(f"{source}: use_bidirectional_attention={cfg['use_bidirectional_attention']!r} is not "
+                          "supported (a target decodes causally; null or 'vision' only)")
+    ple = 0 if unified else int_field(cfg, "hidden_size_per_layer_input", source, 256, minimum=0)
+    if ple:
+        raise ConfigError(f"{source}: field 'hidden_size_per_layer_input' is {ple} (per-layer embeddings, PLE; "
+                          "transformers' default when the field is absent is 256): not implemented, only 0")
+    shared = int_field(cfg, "num_kv_shared_layers", source, 0, minimum=0)
+    if shared:
+        raise ConfigError(f"{source}: field 'num_kv_shared_layers' is {shared} (layers reusing an earlier "
+                          "layer's keys and values): not implemented, only 0")
+    if not _present(cfg, "head_dim"):  # transformers' class default, not hidden_size / num_attention_heads
+        raise ConfigError(f"{source}: a {cfg['model_type']} config needs 'head_dim' (transformers defaults it "
+                          "to 256, not to hidden_size / num_attention_heads)")
+    _, heads, kv_heads, head_dim = attention_shape(cfg, source)
+    types = _gemma4_layer_types(cfg, source, num_layers)
+    k_eq_v = bool_field(cfg, "attention_k_eq_v", source, False)
+    global_dim, global_kv = _gemma4_full_shape(cfg, source, types, head_dim, kv_heads, k_eq_v)
+    if global_dim % 2 or heads % global_kv:
+        raise ConfigError(f"{source}: the full layers' head_dim ({global_dim}) must be even and their KV heads "
+                          f"({global_kv}) must divide num_attention_heads ({heads})")
+    params = cfg.get("rope_parameters") or GEMMA4_ROPE
+    ropes = {}
+    for kind in ("sliding_attention", "full_attention"):
+        if not isinstance(params, Mapping) or not isinstance(params.get(kind), Mapping):
+            raise ConfigError(f"{source}: field 'rope_parameters' must hold a {kind!r} object, got {params!r}")
+        ropes[kind] = parse_rope({"rope_parameters": params[kind]}, f"{source} (rope_parameters.{kind})")
+    window = int_field(cfg, "sliding_window", source, 1024 if unified else 512)
+    attention_bias = bool_field(cfg, "attention_bias", source, False)
+    eps = float_field(cfg, "rms_norm_eps", source, 1e-6, positive=True, below=1.0)
+    out: dict[str, Any] = dict(
+        intermediate_size=require(cfg, "intermediate_size", source),
+        tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", source, True),
+        qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True, norm_weight_in_float32=True,
+        layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        rope=ropes["sliding_attention"], global_rope=ropes["full_attention"],
+        global_head_dim=global_dim, global_kv_heads=global_kv, attention_k_eq_v=k_eq_v, v_norm=True,
+        attention_scale=1.0, hidden_act="gelu_tanh", scale_embeddings=True, sandwich_norms=True, layer_scalar=True,
+        final_logit_softcapping=float_field(cfg, "final_logit_softcapping", source, None, positive=True),
+    )
+    if not unified and bool_field(cfg, "enable_moe_block", source, False):
+        num_experts = int_field(cfg, "num_experts", source)
+        out.update(experts=ExpertsConfig(
+            num_experts=num_experts, top_k=int_field(cfg, "top_k_experts", source, maximum=num_experts),
+            intermediate_size=require(cfg, "moe_intermediate_size", source), routing="softmax_topk",
+            norm_topk_prob=True, router_norm_eps=eps, activation="gelu_tanh"),
+            expert_layers=tuple(range(num_layers)), experts_beside_mlp=True)
+    return out
+
+
+def _rope_parameters(rope: RopeConfig) -> dict[str, Any]:
+    """One RoPE in transformers 5.x's ``rope_parameters`` form."""
+    return {"rope_type": rope.rope_type, "rope_theta": rope.theta, **(rope_to_hf(rope)["rope_scaling"] or {})}
+
+
+def _gemma4_to_hf(config: "TargetConfig") -> dict[str, Any]:
+    """The Gemma 4 fields of ``TargetConfig.to_hf_dict`` (a ``Gemma4TextConfig`` / ``Gemma4UnifiedTextConfig``)."""
+    e = config.experts
+    out = dict(
+        hidden_activation="gelu_pytorch_tanh", num_kv_shared_layers=0,
+        layer_types=["full_attention" if w is None else "sliding_attention" for w in config.layer_windows],
+        sliding_window=next((w for w in config.layer_windows if w is not None), None),
+        rope_parameters={"sliding_attention": _rope_parameters(config.rope),
+                         "full_attention": _rope_parameters(config.global_rope)},
+        global_head_dim=config.global_head_dim, attention_k_eq_v=config.attention_k_eq_v,
+        final_logit_softcapping=config.final_logit_softcapping)
+    if config.attention_k_eq_v:
+        out["num_global_key_value_heads"] = config.global_kv_heads
+    if config.model_type == "gemma4_text":
+        out.update(hidden_size_per_layer_input=0, enable_moe_block=e is not None)
+    if e is not None:
+        out.update(num_experts=e.num_experts, top_k_experts=e.top_k, moe_intermediate_size=e.intermediate_size)
+    return out
+
+
 # Multimodal checkpoints whose language model is nested under ``text_config`` (the model_type it takes).
-NESTED_TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+NESTED_TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text",
+                       "gemma4_unified": "gemma4_unified_text"}
 
 
 def _text_config(cfg: Mapping[str, Any], source: str) -> tuple[Mapping[str, Any], str]:
-    """The language model's config of a multimodal checkpoint (Qwen3.5's ``text_config``; the vision
-    tower's settings are not needed: its weights are skipped at load), else ``cfg`` itself."""
+    """The language model's config of a multimodal checkpoint (Qwen3.5's and Gemma 4's ``text_config``; the
+    vision and audio towers' settings are not needed: their weights are skipped at load), else ``cfg`` itself."""
     model_type = cfg.get("model_type")
     if model_type not in NESTED_TEXT_CONFIGS:
         return cfg, source
@@ -730,11 +915,12 @@ FAMILIES = {
     "llama": _dense_family, "mistral": _dense_family, "qwen2": _dense_family, "qwen3": _dense_family,
     "qwen3_moe": _qwen3_moe_family, "gpt_oss": _gpt_oss_family,
     "qwen3_next": _hybrid_family, "qwen3_5_text": _hybrid_family, "qwen3_5_moe_text": _hybrid_family,
-    "minimax_m2": _minimax_m2_family,
+    "minimax_m2": _minimax_m2_family, "gemma4_text": _gemma4_family, "gemma4_unified_text": _gemma4_family,
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
                  "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                 "minimax_m2": "MiniMaxM2ForCausalLM"}
+                 "minimax_m2": "MiniMaxM2ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
+                 "gemma4_unified_text": "Gemma4UnifiedForCausalLM"}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

@@ -1,4 +1,5 @@
-"""The mixture-of-experts FFN of Qwen3-MoE, gpt-oss (and Qwen3-Next/Qwen3.5's shared-expert variant).
+"""The mixture-of-experts FFN of Qwen3-MoE, gpt-oss, MiniMax-M2 and Gemma 4 (and Qwen3-Next/Qwen3.5's
+shared-expert variant).
 
 Dropless and exact: every token goes to its ``top_k`` experts, no capacity factor, nothing dropped, so the
 target computes the same function as transformers' reference and DFlash stays lossless. Three ways to compute
@@ -27,7 +28,9 @@ Parameters (``[in, out]`` like Flax kernels, experts leading): ``gate/kernel [H,
 ``router/kernel`` + ``router/bias`` for gpt-oss), ``experts/{gate,up}_proj [E, H, I]``,
 ``experts/down_proj [E, I, H]``, with ``experts/*_bias`` for gpt-oss and ``e_score_correction_bias [E]`` (the
 selection-only router bias) for MiniMax-M2; ``shared_expert/*`` and
-``shared_expert_gate/kernel [H, 1]`` for the shared-expert variant.
+``shared_expert_gate/kernel [H, 1]`` for the shared-expert variant; Gemma 4's scaled router
+(``ExpertsConfig.router_norm_eps``) is ``router/proj/kernel [H, E]``, ``router/scale [H]`` and
+``router/per_expert_scale [E]``.
 
 With ``ExpertsConfig.weight_format == "mxfp4"`` the three projections are instead kept packed as gpt-oss stores
 them (``models/mxfp4``: uint8, 4.25 bits per weight), rows = output features:
@@ -43,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 from typing import Any, Mapping, NamedTuple
 
 import flax.linen as nn
@@ -52,7 +54,7 @@ import jax.numpy as jnp
 
 from dflash_jax.models import mxfp4
 from dflash_jax.models.config import ExpertsConfig
-from dflash_jax.models.layers import MLP
+from dflash_jax.models.layers import ACTIVATIONS, MLP, RMSNorm, float32_dot_general
 from dflash_jax.platform import current_platform
 
 GPT_OSS_ALPHA = 1.702  # gpt-oss's GLU uses x * sigmoid(1.702 x)
@@ -125,11 +127,12 @@ def expert_path(num_tokens: int, num_experts: int, top_k: int) -> str:
     return "dense" if num_tokens * num_experts <= DENSE_LIMIT else "grouped"
 
 
-def route(logits: jax.Array, cfg: ExpertsConfig,
-          selection_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def route(logits: jax.Array, cfg: ExpertsConfig, selection_bias: jax.Array | None = None,
+          expert_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Router logits ``[N, E]`` -> (weights ``[N, k]`` in float32, expert ids ``[N, k]``), decided in float32.
     ``selection_bias [E]`` (``cfg.selection_bias``, MiniMax-M2's ``e_score_correction_bias``) is added to the
-    scores to choose the k experts only; their weights are the unbiased scores.
+    scores to choose the k experts only; their weights are the unbiased scores. ``expert_scale [E]`` (Gemma 4's
+    ``per_expert_scale``) multiplies each chosen expert's final weight.
 
     ``Experts`` computes the logits with float32 accumulation (bf16 inputs give exact products), so top-k and
     softmax never see logits rounded to the compute dtype. transformers rounds them first: Qwen3-MoE
@@ -155,6 +158,8 @@ def route(logits: jax.Array, cfg: ExpertsConfig,
     else:  # gpt-oss: the top k raw logits, softmax over those k
         top, ids = jax.lax.top_k(logits, cfg.top_k)
         weights = jax.nn.softmax(top, axis=-1)
+    if expert_scale is not None:
+        weights = weights * jnp.take(expert_scale.astype(jnp.float32), ids)
     return weights, ids
 
 
@@ -163,7 +168,7 @@ def activate(gate: jax.Array, up: jax.Array, cfg: ExpertsConfig) -> jax.Array:
         gate = jnp.minimum(gate, cfg.swiglu_limit)
         up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
         return (up + 1) * (gate * jax.nn.sigmoid(gate * GPT_OSS_ALPHA))
-    return nn.silu(gate) * up
+    return ACTIVATIONS[cfg.activation](gate) * up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,24 +357,46 @@ class ExpertWeights(nn.Module):
         return out
 
 
-class Experts(nn.Module):
-    """The routed experts (and the optional shared expert) of one layer: ``[B, T, H] -> [B, T, H]``."""
+class ScaledRouter(nn.Module):
+    """Gemma 4's router (``ExpertsConfig.router_norm_eps``): ``proj`` reads its input RMS-normalised without a
+    weight, times ``scale [H]`` and H^-0.5; ``per_expert_scale [E]`` multiplies each chosen expert's weight."""
 
     config: ExpertsConfig
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        cfg, h = self.config, x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (h,), self.dtype)
+        per_expert = self.param("per_expert_scale", nn.initializers.ones, (cfg.num_experts,), self.dtype)
+        x = RMSNorm(cfg.router_norm_eps, self.dtype, self.dtype, use_weight=False)(x) * scale
+        x = x * jnp.asarray(h ** -0.5, self.dtype)
+        proj = nn.Dense(cfg.num_experts, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name="proj",
+                        dot_general=float32_dot_general)
+        return route(proj(x), cfg, expert_scale=per_expert)
+
+
+class Experts(nn.Module):
+    """The routed experts (and the optional shared expert) of one layer: ``[B, T, H] -> [B, T, H]``.
+    ``router_input``: what the router reads, when not ``x`` (Gemma 4 routes the un-normed residual)."""
+
+    config: ExpertsConfig
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, router_input: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         b, t, h = x.shape
         flat = x.reshape(-1, h)
-        # The router accumulates in float32 whatever the compute dtype (route() says why).
-        router = nn.Dense(cfg.num_experts, use_bias=cfg.router_bias, dtype=self.dtype, param_dtype=self.dtype,
-                          name="router" if cfg.router_bias else "gate",
-                          dot_general=functools.partial(jax.lax.dot_general, preferred_element_type=jnp.float32))
-        bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), self.dtype) \
-            if cfg.selection_bias else None
-        weights, ids = route(router(flat), cfg, bias)
+        routed = flat if router_input is None else router_input.reshape(-1, h)
+        if cfg.router_norm_eps is not None:
+            weights, ids = ScaledRouter(cfg, self.dtype, name="router")(routed)
+        else:  # the router accumulates in float32 whatever the compute dtype (route() says why)
+            router = nn.Dense(cfg.num_experts, use_bias=cfg.router_bias, dtype=self.dtype, param_dtype=self.dtype,
+                              name="router" if cfg.router_bias else "gate", dot_general=float32_dot_general)
+            bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), self.dtype) \
+                if cfg.selection_bias else None
+            weights, ids = route(router(routed), cfg, bias)
         weights = weights.astype(self.dtype)  # the experts' outputs are combined in the compute dtype
         experts = ExpertWeights(cfg, h, self.dtype, name="experts")()
         path = expert_path(b * t, cfg.num_experts, cfg.top_k)

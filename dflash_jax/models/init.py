@@ -52,7 +52,8 @@ def _is_zero_centered_norm(path) -> bool:
 
 
 def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_centered_norms: bool = False) -> Any:
-    """Random weights for a params tree of ``jax.ShapeDtypeStruct``. Norm weights are one, biases zero,
+    """Random weights for a params tree of ``jax.ShapeDtypeStruct``. Norm weights (and Gemma 4's layer and
+    router scales) are one, biases zero,
     DFlash2 convolution base kernels the identity,
     embeddings N(0, 1), linear kernels ``[in, out]`` N(0, 1/in) (packed MXFP4 experts: random codes at
     scale 2^-5), or N(0, std^2) when ``std`` is given (0.02 is
@@ -73,6 +74,8 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
         if jnp.issubdtype(dtype, jnp.integer):  # MXFP4 experts (models/mxfp4): random codes, scale 2^-5
             codes = rng.integers(0, 256, shape) if name.endswith("_blocks") else np.full(shape, 122)
             out.append(jnp.asarray(codes, dtype))
+        elif name in ("layer_scalar", "scale", "per_expert_scale"):
+            out.append(jnp.ones(shape, dtype))
         elif name == "weight" and len(shape) == 1:
             value = 0.0 if zero_centered_norms and _is_zero_centered_norm(path) else 1.0
             out.append(jnp.asarray(np.full(shape, value, np.float32), dtype))

@@ -6,6 +6,7 @@ conversion is a path map plus a transpose of linear weights (Flax ``kernel`` is 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -31,20 +32,23 @@ def float32_dot_general(*args, **kwargs) -> jax.Array:
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back before the weight, exactly as HF LLaMA/Qwen do
-    (``weight_in_float32``: the weight multiplies before the cast, as gpt-oss does)."""
+    (``weight_in_float32``: the weight multiplies before the cast, as gpt-oss and Gemma 4 do)."""
 
     eps: float = 1e-6
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     weight_in_float32: bool = False
     zero_centered: bool = False  # Qwen3-Next / Qwen3.5: scale by (1 + w) in float32, w stored (starts at 0)
+    use_weight: bool = True  # False: no weight at all (Gemma 4's V norm and router norm)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
-        weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if not self.use_weight:
+            return x32.astype(self.dtype)
+        init = nn.initializers.zeros if self.zero_centered else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
         if self.zero_centered:
             return (x32 * (1.0 + weight.astype(jnp.float32))).astype(self.dtype)
         if self.weight_in_float32:
@@ -74,6 +78,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         inv = np.where(medium, smoothed, scaled)
     elif rope.rope_type == "yarn":
         inv = _yarn_inv_freq(rope, head_dim)
+    elif rope.rope_type == "proportional":  # Gemma 4's full layers: the first n frequencies turn, the rest are 0
+        turning = int(rope.partial_rotary_factor * head_dim // 2)
+        inv = np.where(np.arange(head_dim // 2) < turning, inv, np.float32(0)) / np.float32(rope.factor)
     return inv
 
 
@@ -323,21 +330,27 @@ def to_cache_layout(x: jax.Array) -> jax.Array:
     return x.transpose(0, 2, 1, 3)
 
 
+# Gate activations of the gated feed-forwards (``MLP`` and the experts): SwiGLU, GeGLU with transformers'
+# ``gelu_pytorch_tanh`` (the tanh approximation).
+ACTIVATIONS = {"silu": nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))``, SwiGLU by default (``ACTIVATIONS``)."""
 
     intermediate_size: int
     use_bias: bool = False
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    activation: str = "silu"
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         dense = lambda n, name: nn.Dense(  # noqa: E731
             n, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype, name=name
         )
-        h = nn.silu(dense(self.intermediate_size, "gate_proj")(x)) * dense(self.intermediate_size, "up_proj")(x)
-        return dense(x.shape[-1], "down_proj")(h)
+        gate = ACTIVATIONS[self.activation](dense(self.intermediate_size, "gate_proj")(x))
+        return dense(x.shape[-1], "down_proj")(gate * dense(self.intermediate_size, "up_proj")(x))
 
 
 def write_rows(cache: jax.Array, update: jax.Array, slots: jax.Array) -> jax.Array:

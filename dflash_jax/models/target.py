@@ -1,10 +1,12 @@
-"""The target decoder: LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss and the hybrid Qwen3-Next /
-Qwen3.5 / Qwen3.6 as one pure Flax module.
+"""The target decoder: LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss, the hybrid Qwen3-Next / Qwen3.5 /
+Qwen3.6, MiniMax-M2 and Gemma 4 as one pure Flax module.
 
 A family is a set of differences read from its config (``models/config.py``): attention flags (biases, q/k
-norms, sinks, an output gate, partial RoPE, zero-centred norms), each layer's token mixer (softmax attention,
-with an optional window, or a Gated DeltaNet: ``models/gated_deltanet.py``) and each layer's FFN (a dense
-SwiGLU or ``models/experts.Experts``).
+norms, sinks, an output gate, partial RoPE, zero-centred norms; Gemma 4's V norm, keys as values, softmax
+scale and full layers of their own shape), each layer's token mixer (softmax attention, with an optional
+window, or a Gated DeltaNet: ``models/gated_deltanet.py``), each layer's FFN (a dense SwiGLU or GeGLU,
+``models/experts.Experts``, or both side by side) and where the norms sit (before each sublayer, or around
+it as Gemma's sandwich with a stored ``layer_scalar``).
 
 ``TargetModel.apply({'params': p}, tokens, positions, cache=..., feature_layers=(...))`` runs prefill or a
 multi-token extension in one call and returns the logits, the requested layers' hidden features and the new
@@ -20,6 +22,7 @@ from typing import Any, NamedTuple, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.models.attention_kernels import Segment
 from dflash_jax.models.cache import KVCache, LinearState, lengths_after_write, ring_slots, write_slots
@@ -57,33 +60,41 @@ class TargetAttention(nn.Module):
         dense = lambda n, bias, name: nn.Dense(  # noqa: E731
             n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name
         )
+        head_dim, kv_heads, rope_config = cfg.attention_dims(self.window)
         gated = cfg.attention_output_gate  # q_proj yields [query | gate] per head
-        q = dense(cfg.num_attention_heads * cfg.head_dim * (2 if gated else 1), cfg.qkv_bias, "q_proj")(x)
-        k = dense(cfg.num_key_value_heads * cfg.head_dim, cfg.qkv_bias, "k_proj")(x)
-        v = dense(cfg.num_key_value_heads * cfg.head_dim, cfg.qkv_bias, "v_proj")(x)
+        q = dense(cfg.num_attention_heads * head_dim * (2 if gated else 1), cfg.qkv_bias, "q_proj")(x)
+        k = dense(kv_heads * head_dim, cfg.qkv_bias, "k_proj")(x)
+        # Gemma 4's full layers with attention_k_eq_v: no v_proj, V is k_proj's output before k_norm and RoPE
+        v = k if cfg.attention_k_eq_v and self.window is None else dense(kv_heads * head_dim, cfg.qkv_bias,
+                                                                          "v_proj")(x)
         gate = None
         if gated:
-            q, gate = jnp.split(q.reshape(b, t, cfg.num_attention_heads, 2 * cfg.head_dim), 2, axis=-1)
+            q, gate = jnp.split(q.reshape(b, t, cfg.num_attention_heads, 2 * head_dim), 2, axis=-1)
             gate = gate.reshape(b, t, -1)
-        q = q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-        k = k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        q = q.reshape(b, t, cfg.num_attention_heads, head_dim)
+        k = k.reshape(b, t, kv_heads, head_dim)
+        v = v.reshape(b, t, kv_heads, head_dim)
+        if cfg.v_norm:  # Gemma 4: V RMS-normalised per head, no weight
+            v = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, use_weight=False)(v)
         if cfg.qk_norm:
             norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype,  # noqa: E731
-                                        zero_centered=cfg.zero_centered_norms, name=name)
+                                        cfg.norm_weight_in_float32, cfg.zero_centered_norms, name=name)
             if cfg.qk_norm_scope == "projection":  # one RMS over all heads (MiniMax-M2), written on the whole
                 # projection: with heads split over the tensor axis, XLA reduces the mean across it
                 q = norm("q_norm")(q.reshape(b, t, -1)).reshape(q.shape)
                 k = norm("k_norm")(k.reshape(b, t, -1)).reshape(k.shape)
             else:
                 q, k = norm("q_norm")(q), norm("k_norm")(k)
-        rot = cfg.rotary_dims  # partial RoPE: the first ``rot`` dims of each head rotate, the rest pass
-        inv_freq, scale = rope_inv_freq(cfg.rope, rot), rope_scale(cfg.rope)
+        rot = cfg.rotary_dim or head_dim  # partial RoPE: the first ``rot`` dims of each head rotate, the rest pass
+        inv_freq, scale = rope_inv_freq(rope_config, rot), rope_scale(rope_config)
         rope = lambda a: jnp.concatenate(  # noqa: E731
             [apply_rope(a[..., :rot], positions, inv_freq, scale), a[..., rot:]], axis=-1)
         q, k = rope(q), rope(k)
-        if cfg.kv_replicas > 1:  # head h's copies side by side: query head j still reads its own KV head
-            k, v = (jnp.repeat(a, cfg.kv_replicas, axis=2) for a in (k, v))
+        if cfg.attention_scale is not None:  # every attention path scales by 1/sqrt(head_dim): fold the rest in q
+            q = (q.astype(jnp.float32) * (cfg.attention_scale * head_dim ** 0.5)).astype(q.dtype)
+        copies = cfg.kv_copies(kv_heads)
+        if copies > 1:  # head h's copies side by side: query head j still reads its own KV head
+            k, v = (jnp.repeat(a, copies, axis=2) for a in (k, v))
         sinks = self.param("sinks", nn.initializers.zeros, (cfg.num_attention_heads,), self.dtype) \
             if cfg.attention_sinks else None
         window = self.window
@@ -132,12 +143,25 @@ class DecoderLayer(nn.Module):
         else:
             mixed, new_kv = TargetAttention(cfg, self.dtype, cfg.window(self.index), name="self_attn")(
                 h, positions, mask, cache_kv, slots, live, spans, new_lengths, valid)
-        x = x + mixed
-        h = norm("post_attention_layernorm")(x)
-        if cfg.is_expert_layer(self.index):
-            x = x + Experts(cfg.experts, self.dtype, name="mlp")(h)
+
+        def ffn(h, residual):
+            if cfg.is_expert_layer(self.index) and not cfg.experts_beside_mlp:
+                return Experts(cfg.experts, self.dtype, name="mlp")(h)
+            out = MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.dtype, cfg.hidden_act, name="mlp")(h)
+            if cfg.is_expert_layer(self.index):  # Gemma 4: experts beside the MLP, routed on the un-normed residual
+                moe = Experts(cfg.experts, self.dtype, name="moe")(norm("pre_feedforward_layernorm_2")(residual),
+                                                                   residual)
+                out = norm("post_feedforward_layernorm_1")(out) + norm("post_feedforward_layernorm_2")(moe)
+            return out
+
+        if cfg.sandwich_norms:  # Gemma: each sublayer's output is normed before its residual add
+            x = x + norm("post_attention_layernorm")(mixed)
+            x = x + norm("post_feedforward_layernorm")(ffn(norm("pre_feedforward_layernorm")(x), x))
         else:
-            x = x + MLP(cfg.intermediate_size, cfg.mlp_bias, self.dtype, self.dtype, name="mlp")(h)
+            x = x + mixed
+            x = x + ffn(norm("post_attention_layernorm")(x), x)
+        if cfg.layer_scalar:
+            x = x * self.param("layer_scalar", nn.initializers.ones, (1,), self.dtype)
         return x, new_kv
 
 
@@ -159,7 +183,10 @@ class TargetModel(nn.Module):
                                     dot_general=float32_dot_general)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        return self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens)
+        if self.config.scale_embeddings:  # sqrt(H) as transformers has it: a float32 scalar cast to the dtype
+            x = x * jnp.asarray(np.float32(self.config.hidden_size ** 0.5), x.dtype)
+        return x
 
     def head(self, hidden: jax.Array) -> jax.Array:
         """Final norm then the output head (tied or not): logits from pre-norm hidden states."""
@@ -168,11 +195,15 @@ class TargetModel(nn.Module):
     def unembed(self, x: jax.Array) -> jax.Array:
         """The output head alone (tied or not), on final-normed hidden states. The logits come out in float32
         whatever the compute dtype (the products accumulate in float32 and are not rounded back): acceptance
-        and sampling decide on them, and a bfloat16 argmax flips near-ties that float32 keeps."""
+        and sampling decide on them, and a bfloat16 argmax flips near-ties that float32 keeps. With
+        ``final_logit_softcapping`` (Gemma 4) they are soft-capped: ``cap * tanh(logits / cap)``."""
         if self.config.tie_word_embeddings:
             table = self.embed_tokens.embedding
-            return jnp.einsum("...h,vh->...v", x, table.astype(x.dtype), preferred_element_type=jnp.float32)
-        return self.lm_head(x)
+            logits = jnp.einsum("...h,vh->...v", x, table.astype(x.dtype), preferred_element_type=jnp.float32)
+        else:
+            logits = self.lm_head(x)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def __call__(
         self,
@@ -257,11 +288,13 @@ def init_cache(config: TargetConfig, batch: int, slots: int, dtype=jnp.float32, 
     rollback-able (the verify block): hybrid targets' linear layers keep that extension's terms, and each
     sliding-window layer keeps a ring of ``window - 1 + extension`` slots (``models/cache.ring_slots``;
     ``rings=False``: every layer keeps all ``slots``, the same results at more memory)."""
-    def layer_slots(layer: int) -> int:
+    def layer_shape(layer: int) -> tuple[int, int, int, int]:
         window = config.window(layer)
-        return ring_slots(window, extension, slots) if rings and window is not None else slots
+        head_dim, kv_heads, _ = config.attention_dims(window)
+        size = ring_slots(window, extension, slots) if rings and window is not None else slots
+        return batch, kv_heads * config.kv_copies(kv_heads), size, head_dim
 
-    shapes = [(batch, config.cache_kv_heads, layer_slots(i), config.head_dim) for i in config.attention_layers]
+    shapes = [layer_shape(i) for i in config.attention_layers]
     cache = KVCache(tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes),
                     jnp.zeros((batch,), jnp.int32))
     la = config.linear_attention
