@@ -113,7 +113,7 @@ def bench_main(args: argparse.Namespace) -> int:
         "revision": args.revision, "ckpt_revision": args.ckpt_revision,
         "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature,
         "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": args.seed, "chat_template": args.chat_template,
-        "adaptive": list(args.adaptive), "mesh": args.mesh, "replay": args.replay})
+        "adaptive": list(args.adaptive), "mesh": args.mesh, "replay": args.replay, "tree": args.tree})
     resumed = sum(journal.finished(k, i, s) is not None for k, v in datasets.items() for i, s in enumerate(v))
     if resumed:
         print(f"bench: resuming, {resumed} finished sample(s) read from {journal.path} (delete it to measure "
@@ -121,7 +121,8 @@ def bench_main(args: argparse.Namespace) -> int:
     decoder, tokenizer, stops = load_decoder(args, need_draft=True)
     n = sum(len(s) for s in datasets.values())
     print(f"bench: {', '.join(f'{k} ({len(v)})' for k, v in datasets.items())}: {n} samples, block "
-          f"{decoder.block_size}, max_new_tokens {args.max_new_tokens}, temperature {sampling.temperature}",
+          f"{decoder.block_size}" + (f", tree of {args.tree} nodes" if args.tree else "") +
+          f", max_new_tokens {args.max_new_tokens}, temperature {sampling.temperature}",
           file=sys.stderr)
     results = run_bench(decoder, tokenizer, stops, datasets, args.max_new_tokens, sampling, args.seed,
                         use_chat_template=args.chat_template, progress=True, journal=journal, replay=args.replay)
@@ -131,7 +132,7 @@ def bench_main(args: argparse.Namespace) -> int:
             "dtype": args.dtype, "prompts_dir": str(prompts_dir), "datasets": names,
             "max_samples": args.max_samples, "block_size": decoder.block_size,
             "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature,
-            "adaptive_widths": list(args.adaptive), "mesh": args.mesh}
+            "adaptive_widths": list(args.adaptive), "mesh": args.mesh, "tree_budget": args.tree}
     paths = write_report(results, out_dir, meta)
     print(markdown_table(results))
     print()

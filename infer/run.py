@@ -62,6 +62,14 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
                              "device when the program compiles), e.g. 1,2,4 with a block-8 draft (1: plain "
                              "autoregressive rounds, no draft forward, with occasional probes); the output is "
                              "unchanged")
+    parser.add_argument("--tree", type=int, default=0, metavar="N",
+                        help="tree verification (DDTree; beyond the paper; off by default): each round the target "
+                             "verifies the N most probable draft prefixes under the draft's per-position "
+                             "distributions in one forward, instead of the argmax chain, and keeps the longest "
+                             "path it agrees with; the output is unchanged. Costs a verify of N+1 tokens per "
+                             "round: pays where that costs about what the chain's block does (small batches, an "
+                             "accelerator). Attention targets with DFlash drafts (not yet Gated DeltaNet "
+                             "targets or DFlash2 selectors)")
     parser.add_argument("--draft-window", type=int, metavar="N",
                         help="bound every draft layer's context to the last N positions before each query (beyond "
                              "the official code; default: the draft's own layers, sliding ones keep their window): "
@@ -159,8 +167,16 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
     draft_window = getattr(args, "draft_window", None)
     if draft_window is not None and draft_config is None:
         raise UsageError("--draft-window needs a draft (--ckpt)")
+    tree = getattr(args, "tree", 0)
+    if tree < 0:
+        raise UsageError(f"--tree must be a positive number of nodes, got {tree}")
+    if tree and draft_config is None:
+        raise UsageError("--tree needs a draft (--ckpt)")
+    if tree and adaptive:
+        raise UsageError("--tree and --adaptive cannot be combined")
     decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype, mesh,
-                      adaptive, attention=getattr(args, "attention", "auto"), draft_window=draft_window)
+                      adaptive, attention=getattr(args, "attention", "auto"), draft_window=draft_window,
+                      tree_budget=tree)
     # EOS ids come from the target's own generation config, whichever tokenizer directory is used.
     return decoder, tokenizer, stop_tokens_of(target_config, tokenizer, tokenizer_dir(target_path))
 

@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-window", type=positive("--draft-window"), metavar="N",
                         help="bound every draft layer's context to the last N positions (as python -m infer "
                              "--draft-window): the draft's round time at long --context with and without it")
+    parser.add_argument("--tree", type=positive("--tree"), default=0, metavar="N",
+                        help="also decode end to end with tree verification of N nodes (as python -m infer "
+                             "--tree; oracle and draft), beside the chain in the same run")
     parser.add_argument("--mesh", metavar="SPEC",
                         help="shard the models over devices for the end-to-end decodes, e.g. tensor=8 or "
                              "data=2,tensor=4 (the component timings use the sharded params as placed)")
@@ -174,7 +177,7 @@ def settings_of(args: argparse.Namespace, draft_block: int) -> SpeedSettings:
                              new_tokens=args.new_tokens, tau=args.tau, repeats=args.repeats,
                              e2e_repeats=args.e2e_repeats, seed=args.seed, dtype=resolve_dtype(args.dtype),
                              cache_slots=args.cache_slots, adaptive_widths=tuple(args.adaptive),
-                             attention=args.attention, draft_window=args.draft_window)
+                             attention=args.attention, draft_window=args.draft_window, tree_budget=args.tree)
     settings.validate()
     if settings.block_size > draft_block:
         raise UsageError(f"--block-size {settings.block_size} is larger than the draft's block_size {draft_block}")

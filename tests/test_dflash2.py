@@ -307,3 +307,23 @@ def test_teacher_forced_acceptance_walks_the_selector():
     lengths = replay_fixed(acceptance, 1.0)[1]
     assert lengths[:-1] == out.accept_lengths[0][:-1] and len(lengths) == len(out.accept_lengths[0])
     assert np.mean(out.accept_lengths[0]) > 2  # a real draft: long accepted runs are compared
+
+
+def test_tree_over_the_selector_on_the_demo_pair():
+    """Tree verification of a DFlash2 draft follows its selector's transition scores (SPEC 12.1.3): on the
+    shipped trained pair the tree's output is the target's own, and on this prompt it accepts more per round
+    than the selector's chain (a deterministic regression guard: fixed weights, greedy)."""
+    from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET
+    from dflash_jax.checkpoints.loading import load_draft_any, load_target_any
+
+    tc, tp = load_target_any(DEMO_TARGET)
+    config, params = load_draft_any(DEMO_DRAFT)
+    prompt, new = [1, 403, 261, 378, 280], 60
+    answer = generate(tc, tp, [prompt], NoProposer(), NoProposer().init(), DecodeSettings(max_new_tokens=new)).tokens
+    prop = DFlashProposer(config, config.block_size)
+    runs = {}
+    for budget in (0, 24):
+        inputs = prop.init(params, shared_head(tp, tc.tie_word_embeddings), 1, 256)
+        runs[budget] = generate(tc, tp, [prompt], prop, inputs, DecodeSettings(max_new_tokens=new, tree_budget=budget))
+        assert runs[budget].tokens == answer, budget
+    assert runs[24].tau > runs[0].tau, (runs[24].tau, runs[0].tau)

@@ -82,9 +82,10 @@ def models():
     return tc, tp, dc, dp
 
 
-def run(models, cfg: SamplingConfig, seed: int, oracle=False, adaptive=(), costs=()):
+def run(models, cfg: SamplingConfig, seed: int, oracle=False, adaptive=(), costs=(), tree=0):
     tc, tp, dc, dp = models
-    settings = DecodeSettings(max_new_tokens=NEW, sampling=cfg, adaptive_widths=adaptive, width_costs=costs)
+    settings = DecodeSettings(max_new_tokens=NEW, sampling=cfg, adaptive_widths=adaptive, width_costs=costs,
+                              tree_budget=tree)
     prompts = [PROMPT] * SAMPLES
     if oracle:  # a deterministic (point-mass) proposal that is always the token 0
         prop = OracleProposer(BLOCK, VOCAB)
@@ -121,6 +122,20 @@ def test_adaptive_block_size_sampling_matches_target_distribution(models):
     samples, out = run(models, cfg, seed=14, adaptive=(1, 2, 4), costs=(0.4, 0.45, 1.0))
     assert sum(2 in widths for widths in out.widths) > SAMPLES // 4, out.widths[:8]
     assert chi_square_p(samples, exact_distribution(tc, tp, cfg)) > 1e-3
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SamplingConfig(0.7, top_k=5, top_p=0.9)], ids=["t1", "t07_k5_p09"])
+def test_tree_sampling_matches_target_distribution(models, cfg):
+    """Tree verification (6 nodes over the draft's 3 positions) samples one target token per node and walks the
+    tree with them (SPEC 12.4, Algorithm S): the sequences must follow the target exactly, as the chain's. Nodes
+    beyond the first child are accepted too (checked: more rows accept a draft in their first round than with
+    the chain's single candidate; with 3 new tokens a round keeps at most 1 draft plus the target's token)."""
+    tc, tp, _, _ = models
+    samples, out = run(models, cfg, seed=15, tree=6)
+    assert chi_square_p(samples, exact_distribution(tc, tp, cfg)) > 1e-3
+    _, chain = run(models, cfg, seed=15)
+    first = lambda result: sum(row[0] >= 2 for row in result.accept_lengths)  # noqa: E731
+    assert first(out) > first(chain), (first(out), first(chain))
 
 
 def test_point_mass_proposal_sampling_is_lossless(models):

@@ -164,12 +164,14 @@ def decoded(built):
         dflash_config={"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1}))
     decoder = Decoder(config, params, draft_config, init_draft_params(draft_config, seed=1))
     batch = [p.tolist() for p in prompts(VOCAB, seed=2)]
-    return batch, decoder.generate(batch, 24, baseline=True), decoder.generate(batch, 24)
+    ar, chain = decoder.generate(batch, 24, baseline=True), decoder.generate(batch, 24)
+    decoder.tree_budget = 12  # tree verification: sliding rings and full layers of their own shapes, one commit
+    return batch, ar, chain, decoder.generate(batch, 24)
 
 
 def test_greedy_continuation_matches_generate(built, decoded):
     hf_model = built("moe")[1]
-    batch, ar, _ = decoded
+    batch, ar, _, _ = decoded
     for prompt, row in zip(batch, ar.tokens):
         with torch.no_grad():
             ref = hf_model.generate(torch.tensor(prompt)[None], max_new_tokens=24, do_sample=False,
@@ -178,9 +180,10 @@ def test_greedy_continuation_matches_generate(built, decoded):
 
 
 def test_dflash_with_a_random_draft_equals_autoregressive_decoding(decoded):
-    _, ar, out = decoded
+    _, ar, out, tree = decoded
     assert out.tokens == ar.tokens
     assert all(min(row) < 8 for row in out.accept_lengths)  # rejected draft tokens rolled back
+    assert tree.tokens == ar.tokens  # a verified tree of 12 nodes: lossless on every cache kind of the family
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -3,6 +3,7 @@ brute-force prefix enumeration, a Python walk over children dicts, exact target 
 and slot bookkeeping. fp32, tiny shapes, each jitted function compiled once per shape."""
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,36 @@ def test_build_tree_matches_brute_force(d, v, k, budget):
     for seed in range(4):
         lp, tok = top(normal(seed, (d, v), 2.0), k=k)
         check_against_reference(lp, tok, budget)
+
+
+@pytest.mark.parametrize("budget", [5, 13])
+def test_markov_tree_matches_brute_force(budget):
+    """DFlash2 transitions (a candidate's log-prob depends on its parent's rank): the tree holds exactly the
+    ``budget`` best prefixes of a full enumeration under the Markov scores (random float scores: no ties),
+    each with its exact score, parents before children."""
+    d, k = 4, 3
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        trans = rng.normal(size=(d, k, k)).astype(np.float32) * 2
+        trans = trans - np.log(np.exp(trans).sum(-1, keepdims=True))  # rows normalised
+        tok = rng.permutation(50)[: d * k].reshape(d, k).astype(np.int32)
+        tree = jax.jit(T.build_tree, static_argnames=("budget",))(None, tok, budget=budget, root_token=np.int32(3),
+                                                                   transitions=trans)
+        every = {}
+        for depth in range(1, d + 1):
+            for ranks in itertools.product(range(k), repeat=depth):
+                score, prev = np.float32(0), 0
+                for j, r in enumerate(ranks):
+                    score = np.float32(score + trans[j, prev if j else 0, r])
+                    prev = r
+                every[ranks] = score
+        best = sorted(every, key=lambda r: -every[r])[:budget]
+        paths = rank_paths(tree)
+        assert sorted(paths) == sorted(best)
+        scores, parents = np.asarray(tree.scores), np.asarray(tree.parents)
+        for i, ranks in enumerate(paths, start=1):
+            np.testing.assert_allclose(scores[i], every[ranks], rtol=1e-6)
+            assert np.asarray(tree.tokens)[i] == tok[len(ranks) - 1, ranks[-1]] and parents[i] < i
 
 
 def test_build_tree_budget_exceeds_prefixes_and_impossible_candidates():

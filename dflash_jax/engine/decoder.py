@@ -13,7 +13,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.engine.generate import DecodeSettings, GenerationResult, cache_slots, generate, prompt_width
+from dflash_jax.engine.generate import (
+    DecodeSettings, GenerationResult, cache_slots, generate, prompt_width, verify_span,
+)
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
@@ -37,6 +39,7 @@ class Decoder:
     width_costs: tuple[float, ...] = ()  # DecodeSettings.width_costs: their relative round times (else measured)
     attention: str = "auto"  # DecodeSettings.attention: the attention kernel
     draft_window: int | None = None  # DraftModel.draft_window: every draft layer sees at most this much context
+    tree_budget: int = 0  # DecodeSettings.tree_budget: nodes of a verified draft tree per round (0: the chain)
     # (params it was made from, config, params) the engine decodes with: see ``decoding_target``
     _decoding: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -99,13 +102,13 @@ class Decoder:
         settings = DecodeSettings(max_new_tokens, sampling, tuple(int(t) for t in stop_tokens), mesh=self.mesh,
                                   adaptive_widths=() if baseline else tuple(self.adaptive_widths),
                                   width_costs=() if baseline else tuple(self.width_costs),
-                                  attention=self.attention)
+                                  attention=self.attention, tree_budget=0 if baseline else self.tree_budget)
         target_config, target_params = self.decoding_target()
         if baseline or not self.has_draft:
             return generate(target_config, target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)
         proposer = DFlashProposer(self.draft_config, self.block_size, self.dtype, self.draft_window)
-        slots = cache_slots(max(len(p) for p in prompts), max_new_tokens, self.block_size,
+        slots = cache_slots(max(len(p) for p in prompts), max_new_tokens, verify_span(settings, self.block_size),
                             self.target_config.max_position_embeddings)
         inputs = proposer.init(
             self.draft_params, shared_head(target_params, target_config.tie_word_embeddings), len(prompts), slots,

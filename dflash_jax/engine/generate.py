@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.engine import adaptive
+from dflash_jax.engine import tree as tree_lib
 from dflash_jax.engine.sampling import SamplingConfig, accept_greedy, accept_sampling, select
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
@@ -48,9 +49,22 @@ class DecodeSettings:
     # Attention kernel (models/attention_kernels.py): "auto" is cuDNN's fused flash attention on a CUDA GPU
     # with 16-bit activations, the chunked online-softmax loop elsewhere.
     attention: str = "auto"
+    # Tree verification (engine/tree.py, SPEC section 12; 0: the chain): each round verifies the
+    # ``tree_budget`` most probable draft prefixes under the draft's per-position distributions, built from
+    # each position's ``tree_candidates`` most probable tokens (0: ``tree_budget``, which makes the tree the
+    # exact top-``tree_budget`` set; 1 gives the chain of the argmaxes).
+    tree_budget: int = 0
+    tree_candidates: int = 0
 
     def __post_init__(self):
         check_attention_kernel(self.attention)
+        if self.tree_budget < 0 or self.tree_candidates < 0:
+            raise UserError(f"tree budget and candidates must be >= 0, got {self.tree_budget} and "
+                            f"{self.tree_candidates}")
+        if self.tree_candidates and not self.tree_budget:
+            raise UserError("tree_candidates needs a tree_budget")
+        if self.tree_budget and self.adaptive_widths:
+            raise UserError("a tree budget and adaptive widths cannot be combined (choose one)")
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.prefill_chunk < 1:
@@ -61,6 +75,22 @@ class DecodeSettings:
             raise UserError("width_costs needs adaptive_widths")
         if any(not (np.isfinite(c) and c > 0) for c in self.width_costs):
             raise UserError(f"width_costs must be positive, got {self.width_costs}")
+
+
+def verify_span(settings: DecodeSettings, block: int) -> int:
+    """The widest block a round writes past a row's length: the draft block, or a tree's root plus nodes.
+    Caches hold this many slots of speculation, rings this many past their window."""
+    return max(block, settings.tree_budget + 1)
+
+
+def check_tree(settings: DecodeSettings, target_config: TargetConfig, proposer) -> None:
+    if not settings.tree_budget:
+        return
+    if not hasattr(proposer, "candidates") or proposer.block_size < 2:
+        raise UserError("tree verification needs a draft (a proposer with per-position candidates)")
+    if target_config.linear_layers:
+        raise UserError(f"tree verification of a target with Gated DeltaNet layers ({target_config.model_type}) "
+                        "is not implemented yet: decode it with the chain (no --tree)")
 
 
 class LoopState(NamedTuple):
@@ -122,7 +152,9 @@ def prefill(
     b, p = prompts.shape
     block = proposer.block_size
     target = TargetModel(target_config, dtype)
-    cache = _sharded_caches(init_cache(target_config, b, slots, dtype, extension=block), settings.mesh)
+    check_tree(settings, target_config, proposer)
+    cache = _sharded_caches(init_cache(target_config, b, slots, dtype, extension=verify_span(settings, block)),
+                            settings.mesh)
     proposer_state = _sharded_caches(proposer_state, settings.mesh)
     # Prompts wider than prefill_chunk go through in chunks (a lax.scan over equal slices: the prompt width
     # is a power of two): each chunk writes its keys/values and hands its features to the proposer, so
@@ -215,16 +247,6 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
     padded = jnp.concatenate([d, jnp.zeros((b, 1), jnp.int32)], axis=1)
     new_tokens = jnp.where(idx < a[:, None], padded, nxt[:, None])
 
-    # How many of the a+1 new tokens this row keeps: cut at max_new_tokens and right after a stop token.
-    count = jnp.minimum(a + 1, settings.max_new_tokens - s.num_out)
-    stops = _is_stop(new_tokens, settings.stop_tokens) & (idx < count[:, None])
-    hit_stop = stops.any(axis=1)
-    count = jnp.where(hit_stop, jnp.argmax(stops, axis=1) + 1, count)
-    count = jnp.where(active, count, 0)
-    slots = jnp.where(idx < count[:, None], s.num_out[:, None] + idx, s.out.shape[1])
-    out = s.out.at[jnp.arange(b)[:, None], slots].set(new_tokens, mode="drop")
-    num_out = s.num_out + count
-
     # Rollback: keep the anchor and the accepted drafts; the next token is the next anchor, not yet cached.
     cache = verify.cache.with_lengths(jnp.where(active, s.start + a + 1, s.cache.lengths))
     features = verify.features
@@ -237,23 +259,79 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
         ctx = (jnp.pad(features, ((0, 0), (0, block - width), (0, 0))), positions,
                (jnp.arange(block)[None] <= a[:, None]) & active[:, None])
 
+    policy, widths = s.policy, s.widths
+    if settings.adaptive_widths:
+        policy = adaptive.observe(policy, a, width, active)
+        widths = s.widths.at[jnp.arange(b), s.rounds].set(jnp.where(active, width, 0), mode="drop")
+    s = s._replace(key=key, cache=cache, proposer=pstate, ctx=ctx, widths=widths, policy=policy)
+    return _emit(s, settings, new_tokens, a, nxt, drafts)
+
+
+def _emit(s: LoopState, settings: DecodeSettings, new_tokens: jax.Array, a: jax.Array, nxt: jax.Array,
+          drafts: jax.Array) -> LoopState:
+    """The end of every round: ``new_tokens [B, W]`` holds a row's ``a`` accepted drafts then the target's own
+    next token ``nxt`` (the next anchor); keep them up to ``max_new_tokens`` and through the first stop token,
+    log the round, advance the rows still active."""
+    b, width = new_tokens.shape
+    active = ~s.done
+    idx = jnp.arange(width, dtype=jnp.int32)[None]
+    # How many of the a+1 new tokens this row keeps: cut at max_new_tokens and right after a stop token.
+    count = jnp.minimum(a + 1, settings.max_new_tokens - s.num_out)
+    stops = _is_stop(new_tokens, settings.stop_tokens) & (idx < count[:, None])
+    hit_stop = stops.any(axis=1)
+    count = jnp.where(hit_stop, jnp.argmax(stops, axis=1) + 1, count)
+    count = jnp.where(active, count, 0)
+    slots = jnp.where(idx < count[:, None], s.num_out[:, None] + idx, s.out.shape[1])
+    out = s.out.at[jnp.arange(b)[:, None], slots].set(new_tokens, mode="drop")
+    num_out = s.num_out + count
     # A round's acceptance length is the tokens it committed (the official statistic: cut at max_new_tokens
     # and after a stop token), so every row's lengths add up to its output.
     accept = s.accept.at[jnp.arange(b), s.rounds].set(count, mode="drop")
     drafts_log = s.drafts
     if settings.record_drafts:
         drafts_log = s.drafts.at[jnp.arange(b), s.rounds].set(drafts, mode="drop")
-    policy, widths = s.policy, s.widths
-    if settings.adaptive_widths:
-        policy = adaptive.observe(policy, a, width, active)
-        widths = s.widths.at[jnp.arange(b), s.rounds].set(jnp.where(active, width, 0), mode="drop")
     return s._replace(
-        key=key, cache=cache, proposer=pstate, ctx=ctx,
         anchor=jnp.where(active, nxt, s.anchor), start=jnp.where(active, s.start + a + 1, s.start),
         out=out, num_out=num_out, done=s.done | hit_stop | (num_out >= settings.max_new_tokens),
         rounds=s.rounds + active.astype(jnp.int32), accept=accept, drafts=drafts_log, step=s.step + 1,
-        widths=widths, policy=policy,
     )
+
+
+def tree_round(target_config: TargetConfig, proposer, settings: DecodeSettings, target_params: dict,
+               proposer_consts: Any, s: LoopState, dtype: Any = jnp.float32) -> LoopState:
+    """One round of tree verification (SPEC section 12): the draft's forward gives each block position's
+    candidates, ``engine/tree.build_tree`` the ``tree_budget`` most probable prefixes, the target verifies root
+    and nodes in one forward (each node at position ``start + depth``, written at slot ``start + index``,
+    seeing the context, its ancestors and itself), the walk keeps the deepest node whose whole path the target
+    agrees with, and the commit moves that path's keys and values into place (``KVCache.commit_path``). The
+    draft reads the accepted path's features next round, as after a chain."""
+    block = proposer.block_size
+    budget = settings.tree_budget
+    active = ~s.done
+    if settings.sampling.greedy:
+        key = k_accept = s.key
+    else:
+        key, k_accept = jax.random.split(s.key)
+    block_len = jnp.minimum(block, settings.max_new_tokens - s.num_out + 1)
+    offer, pstate = proposer.candidates(proposer_consts, s.proposer, s.ctx, s.anchor, s.start, block_len,
+                                        settings.tree_candidates or budget)
+    trees = tree_lib.build_tree_rows(offer.log_probs, offer.tokens, budget, s.anchor, offer.transitions)
+    verify = TargetModel(target_config, dtype).apply(
+        {"params": target_params}, jnp.maximum(trees.tokens, 0), s.start[:, None] + trees.depths, s.cache,
+        active[:, None] & trees.valid, feature_layers=proposer.feature_layers, tree=trees.ancestors,
+    )
+    acc = tree_lib.accept_sampling_rows(trees, verify.logits, k_accept, settings.sampling)
+    a = acc.num_accepted
+    perm = jax.vmap(tree_lib.commit_permutation, in_axes=(0, 0, None))(acc.path, a, budget)
+    perm = jnp.where(active[:, None], perm, jnp.arange(budget + 1, dtype=jnp.int32)[None])
+    cache = verify.cache.commit_path(s.start, perm, jnp.where(active, s.start + a + 1, s.cache.lengths))
+    ctx = s.ctx
+    if verify.features is not None:  # the accepted path's features, laid out as a chain's
+        ctx = (jnp.take_along_axis(verify.features, acc.path[:, :, None], axis=1),
+               s.start[:, None] + jnp.arange(block, dtype=jnp.int32)[None],
+               (jnp.arange(block)[None] <= a[:, None]) & active[:, None])
+    s = s._replace(key=key, cache=cache, proposer=pstate, ctx=ctx)
+    return _emit(s, settings, acc.tokens, a, acc.next_token, offer.tokens[:, :, 0])
 
 
 def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings, target_params: dict,
@@ -266,6 +344,9 @@ def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings,
     def cond(s: LoopState):
         return (~jnp.all(s.done)) & (s.step < jnp.minimum(step_limit, settings.max_new_tokens))
 
+    if settings.tree_budget:
+        return jax.lax.while_loop(cond, functools.partial(
+            tree_round, target_config, proposer, settings, target_params, proposer_consts, dtype=dtype), state)
     round_ = functools.partial(decode_round, target_config, proposer, settings, target_params, proposer_consts,
                                dtype=dtype)
     if not settings.adaptive_widths:
@@ -596,7 +677,7 @@ def generate(
     """Generate for a batch of token-id prompts of any lengths: pad (``pad_prompts``; a proposer's caches must
     have ``batch.slots`` = ``cache_slots`` slots), compile or reuse (``executables``), prefill, decode
     (streamed through ``on_tokens`` in chunks of ``chunk_rounds`` rounds, or in one device call)."""
-    batch = pad_prompts(target_config, prompts, settings.max_new_tokens, proposer.block_size)
+    batch = pad_prompts(target_config, prompts, settings.max_new_tokens, verify_span(settings, proposer.block_size))
     if settings.mesh is not None:
         batch = _place_batch(batch, settings.mesh)
     key = jax.random.PRNGKey(seed)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.engine.sampling import SamplingConfig, argmax, probabilities, sample
+from dflash_jax.engine.tree import Candidates, top_candidates
 from dflash_jax.errors import UserError
 from dflash_jax.models.draft import DraftModel, SharedHead, init_draft_cache
 from dflash_jax.models.draft_config import DraftConfig
@@ -73,7 +74,7 @@ class DFlashProposer:
                                  method=DraftModel.write_context)
         return {"cache": cache}
 
-    def propose(self, consts: dict, state: dict, ctx, anchor, start, key, sampling: SamplingConfig, block_len=None):
+    def _forward(self, consts: dict, state: dict, ctx, anchor, start, block_len):
         b = anchor.shape[0]
         k = self.block_size - 1
         tokens = jnp.concatenate([anchor[:, None], jnp.full((b, k), self.config.mask_token_id, jnp.int32)], axis=1)
@@ -83,7 +84,24 @@ class DFlashProposer:
             {"params": consts["params"]}, tokens, positions, features, ctx_positions, ctx_valid,
             state["cache"], consts["shared"], skip_anchor_logits=True, block_len=block_len,
         )
-        state = {"cache": out.cache}
+        return out, {"cache": out.cache}
+
+    def candidates(self, consts: dict, state: dict, ctx, anchor, start, block_len, k: int):
+        """The same forward as ``propose``, for a tree (``engine/tree.py``): ``(Candidates, state)``. DFlash:
+        each block position's ``k`` most probable tokens and their log-probabilities over the full vocabulary,
+        sorted descending. DFlash2: the selector's first ``k`` candidates (at most its top-k) and its
+        transition log-probs between consecutive positions' candidates."""
+        out, state = self._forward(consts, state, ctx, anchor, start, block_len)
+        if self.config.dflash2:
+            k = min(k, self.config.selector_top_k)
+            tokens, transitions = self.model.apply({"params": consts["params"]}, out.logits, out.hidden, anchor, k,
+                                                   method=DraftModel.transitions)
+            return Candidates(tokens, transitions=transitions), state
+        log_probs, tokens = top_candidates(out.logits, k)
+        return Candidates(tokens, log_probs), state
+
+    def propose(self, consts: dict, state: dict, ctx, anchor, start, key, sampling: SamplingConfig, block_len=None):
+        out, state = self._forward(consts, state, ctx, anchor, start, block_len)
         logits = out.logits
         if self.config.dflash2:  # the selector's chain over the draft's top-k (SPEC section 10)
             temperature = 0.0 if sampling.greedy else sampling.temperature
@@ -147,6 +165,18 @@ class OracleProposer:
         ref = jnp.take_along_axis(consts["reference"], pos, axis=1, mode="clip")
         bad = jnp.take_along_axis(consts["errors"], pos, axis=1, mode="fill", fill_value=False)
         return jnp.where(bad, (ref + 1) % self.vocab_size, ref), None, state
+
+    def candidates(self, consts, state, ctx, anchor, start, block_len, k: int):
+        """For trees: at each position the proposal (log-prob log 0.6) and its alternative (log 0.4): the
+        reference where the proposal is corrupted, else the corrupted token. A tree of enough nodes reaches
+        the reference through every planted error; the chain stops at the first."""
+        proposed, _, state = self.propose(consts, state, ctx, anchor, start, None, None)
+        pos = start[:, None] + 1 + jnp.arange(self.block_size - 1)[None]
+        ref = jnp.take_along_axis(consts["reference"], pos, axis=1, mode="clip")
+        other = jnp.where(proposed == ref, (ref + 1) % self.vocab_size, ref)
+        tokens = jnp.stack([proposed, other], axis=-1)[..., :k]
+        log_probs = jnp.broadcast_to(jnp.log(jnp.asarray([0.6, 0.4], jnp.float32))[:k], tokens.shape)
+        return Candidates(tokens, log_probs), state
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,16 @@ class Tree:
         return self.tokens.shape[-1] - 1
 
 
+class Candidates(NamedTuple):
+    """What a proposer offers a tree (``candidates`` of ``engine/proposers.py``), per row: each block position's
+    ``tokens [R, D, K]`` with either independent ``log_probs [R, D, K]`` (DFlash: the draft's marginals) or
+    ``transitions [R, D, K, K]`` (DFlash2: its selector's, given the parent's rank; ``build_tree``)."""
+
+    tokens: jax.Array
+    log_probs: jax.Array | None = None
+    transitions: jax.Array | None = None
+
+
 def top_candidates(logits: jax.Array, k: int, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """``logits [D, V]`` -> ``(log_probs [D, K], tokens [D, K])`` with ``K = min(k, V)``: each position's
     ``K`` most probable tokens, log-probs normalised over the FULL vocabulary (``logits - logsumexp``, so a
@@ -66,7 +76,8 @@ def top_candidates(logits: jax.Array, k: int, temperature: float = 1.0) -> tuple
     return top - jax.nn.logsumexp(x, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
 
-def build_tree(log_probs: jax.Array, tokens: jax.Array, budget: int, root_token: jax.Array | int = 0) -> Tree:
+def build_tree(log_probs: jax.Array, tokens: jax.Array, budget: int, root_token: jax.Array | int = 0,
+               transitions: jax.Array | None = None) -> Tree:
     """The ``budget`` most probable draft prefixes as a tree (SPEC 12.1.2), for one row.
 
     ``log_probs [D, K]`` (float, -inf for impossible candidates) and ``tokens [D, K]`` are each position's
@@ -86,23 +97,32 @@ def build_tree(log_probs: jax.Array, tokens: jax.Array, budget: int, root_token:
     This differs from DDTree's heap (lexicographic rank tuples) only among equal scores at one depth whose
     parents have different scores. Prefixes with score -inf are padding; when fewer than ``B`` prefixes are
     finite, the tail of the tree is padding.
+
+    ``transitions [D, K, K]`` (a DFlash2 draft's selector, SPEC 12.1.3): Markov scores instead of independent
+    ones: a depth-``d + 1`` candidate's log-prob depends on its parent's rank, ``transitions[d][parent_rank]``
+    (depth 1 reads row 0 of ``transitions[0]``, conditioned on the root); ``log_probs`` is then unused. Still
+    log-probs <= 0, so the top-``B`` set stays ancestor-closed and the beam exact.
     """
-    d_all, k = log_probs.shape
-    lp = log_probs.astype(jnp.float32)
+    d_all, k = tokens.shape
+    lp = (transitions[:, 0] if transitions is not None else log_probs).astype(jnp.float32)
     # Depth can never exceed the budget: beams deeper than B would only produce entries the sort drops.
     levels = min(d_all, budget)
     # Depth 1: the B best single candidates (padded with -inf when K < B; top_k keeps ties in rank order).
     first = jnp.full((max(budget, k),), -jnp.inf, jnp.float32).at[:k].set(lp[0])
     score1, rank1 = jax.lax.top_k(first, budget)
 
-    def extend(beam_scores, lp_d):
+    def extend(beam, lp_d):
         # Children of every beam entry, flattened (beam, rank): top_k's lower-index-first tie rule orders equal
         # scores by parent beam position, then rank, which is the documented within-depth order.
-        cand = (beam_scores[:, None] + lp_d[None, :]).reshape(-1)
+        beam_scores, beam_ranks = beam
+        rows = lp_d[None, :] if transitions is None else lp_d[jnp.minimum(beam_ranks, k - 1)]
+        cand = (beam_scores[:, None] + rows).reshape(-1)
         s, flat = jax.lax.top_k(cand, budget)
-        return s, (s, (flat // k).astype(jnp.int32), (flat % k).astype(jnp.int32))
+        rank = (flat % k).astype(jnp.int32)
+        return (s, rank), (s, (flat // k).astype(jnp.int32), rank)
 
-    _, (deeper_scores, deeper_parent, deeper_rank) = jax.lax.scan(extend, score1, lp[1:levels])
+    steps = lp[1:levels] if transitions is None else transitions[1:levels].astype(jnp.float32)
+    _, (deeper_scores, deeper_parent, deeper_rank) = jax.lax.scan(extend, (score1, rank1.astype(jnp.int32)), steps)
     level_scores = jnp.concatenate([score1[None], deeper_scores], axis=0)  # [levels, B]
     beam_parent = jnp.concatenate([jnp.zeros((1, budget), jnp.int32), deeper_parent], axis=0)  # beam index at d-1
     beam_rank = jnp.concatenate([rank1[None].astype(jnp.int32), deeper_rank], axis=0)
@@ -303,9 +323,13 @@ def commit_cache_slots(cache: jax.Array, committed_len: jax.Array, perm: jax.Arr
 # Rows (leading batch axis), the shapes the engine's round uses
 
 
-def build_tree_rows(log_probs: jax.Array, tokens: jax.Array, budget: int, root_tokens: jax.Array) -> Tree:
-    """``log_probs, tokens [R, D, K]``, ``root_tokens [R]`` -> a Tree with a leading ``[R]`` axis."""
-    return jax.vmap(lambda lp, tok, root: build_tree(lp, tok, budget, root))(log_probs, tokens, root_tokens)
+def build_tree_rows(log_probs: jax.Array, tokens: jax.Array, budget: int, root_tokens: jax.Array,
+                    transitions: jax.Array | None = None) -> Tree:
+    """``log_probs, tokens [R, D, K]``, ``root_tokens [R]`` (``transitions [R, D, K, K]``) -> a Tree with a
+    leading ``[R]`` axis."""
+    if transitions is None:
+        return jax.vmap(lambda lp, tok, root: build_tree(lp, tok, budget, root))(log_probs, tokens, root_tokens)
+    return jax.vmap(lambda tok, root, tr: build_tree(None, tok, budget, root, tr))(tokens, root_tokens, transitions)
 
 
 def accept_greedy_rows(trees: Tree, target_logits: jax.Array) -> TreeAcceptance:

@@ -44,6 +44,7 @@ from dflash_jax.checkpoints.official_draft import abstract_draft_params
 from dflash_jax.engine.adaptive import rounds_per_width
 from dflash_jax.engine.generate import (
     DecodeSettings, GenerationResult, jitted_functions, decode_round, generate, prompt_width, cache_slots,
+    verify_span,
 )
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
 from dflash_jax.engine.sampling import SamplingConfig
@@ -313,6 +314,7 @@ class SpeedSettings:
     adaptive_widths: tuple[int, ...] = ()  # also decode end to end with these adaptive widths (oracle and draft)
     attention: str = "auto"  # the attention kernel (DecodeSettings.attention)
     draft_window: int | None = None  # DraftModel.draft_window: the draft's context bound (None: its own layers')
+    tree_budget: int = 0  # also decode end to end with a verified tree of this many nodes (oracle and draft)
     # Prefill in chunks of this many tokens (DecodeSettings.prefill_chunk; None: the engine's default). Prefills
     # only fill the caches here (their time is not a figure of the report), so this changes no measured figure.
     prefill_chunk: int | None = None
@@ -567,6 +569,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         tp, dp = (jax.device_put(tree, sharding.tree_shardings(tree, mesh)) for tree in (tp, dp))
     settings = s.decode_settings(mesh)
     adaptive = dataclasses.replace(settings, adaptive_widths=s.adaptive_widths)
+    tree = dataclasses.replace(settings, tree_budget=s.tree_budget)
     t_start = time.perf_counter()
     machine = machine_info()  # the load average at the start
 
@@ -579,7 +582,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
                               seed=s.seed, dtype=s.dtype)
     ar_warm = run_ar()
     reference_tokens = ar_warm.tokens
-    width = cache_slots(s.context, s.new_tokens, s.block_size, tc.max_position_embeddings)
+    width = cache_slots(s.context, s.new_tokens, verify_span(tree, s.block_size), tc.max_position_embeddings)
     reference, errors = plant_errors(prompts, reference_tokens, s.tau, s.block_size, width)
     oracle = OracleProposer(s.block_size, tc.vocab_size)
     ostate = oracle.init(jnp.asarray(reference), jnp.asarray(errors))
@@ -595,6 +598,9 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
                                                     dtype=s.dtype)
         modes["draft_adaptive"] = lambda: generate(tc, tp, prompts, prop, pstate, adaptive, seed=s.seed,
                                                    dtype=s.dtype)
+    if s.tree_budget:  # the oracle's tree offers its alternative at every position: it passes planted errors
+        modes["oracle_tree"] = lambda: generate(tc, tp, prompts, oracle, ostate, tree, seed=s.seed, dtype=s.dtype)
+        modes["draft_tree"] = lambda: generate(tc, tp, prompts, prop, pstate, tree, seed=s.seed, dtype=s.dtype)
     runs = run_e2e(modes, s.e2e_repeats, log, warm={"autoregressive": ar_warm})
     ar = runs["autoregressive"]
 
@@ -616,7 +622,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         mismatch = first_difference(run.first.tokens, ar.first.tokens)
         d["identical_to_ar"] = mismatch is None
         d["mismatch"] = mismatch
-        if kind is not None:
+        if kind is not None and "tree" not in run.name:  # a tree's verify is wider than the timed block
             cost = t["verify"] + (t["draft"] if kind == "with_draft" else 0.0)
             d["bound_kind"] = kind
             d["bound"] = run.tokens_per_round * t["ar_step"] / cost
@@ -630,6 +636,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
                      "e2e_repeats": s.e2e_repeats, "seed": s.seed, "dtype": jnp.dtype(s.dtype).name,
                      "adaptive_widths": list(s.adaptive_widths), "attention": s.attention,
                      "draft_window": s.draft_window, "prefill_chunk": s.prefill_chunk,
+                     "tree_budget": s.tree_budget,
                      "attention_kernel": resolve_kernel(s.attention, s.dtype),
                      "mesh": None if mesh is None else dict(zip(mesh.axis_names, map(int, mesh.devices.shape)))},
         "models": {
@@ -712,8 +719,9 @@ def format_report(r: dict, title: str = "") -> str:
     ]
     names = {"autoregressive": "autoregressive", "oracle": f"DFlash, oracle tau={tau}",
              "draft": "DFlash, the draft", "oracle_adaptive": "  adaptive widths",
-             "draft_adaptive": "  adaptive widths"}
-    order = ("autoregressive", "oracle", "oracle_adaptive", "draft", "draft_adaptive")
+             "draft_adaptive": "  adaptive widths", "oracle_tree": f"  tree of {s.get('tree_budget')} nodes",
+             "draft_tree": f"  tree of {s.get('tree_budget')} nodes"}
+    order = ("autoregressive", "oracle", "oracle_adaptive", "oracle_tree", "draft", "draft_adaptive", "draft_tree")
     for key in (k for k in order if k in e):
         d = e[key]
         bound = f"{d['bound']:6.2f}x" if "bound" in d else f"{'':7s}"

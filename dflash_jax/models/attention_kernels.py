@@ -49,12 +49,15 @@ _DEVICE_KERNEL = {"gpu": ("cudnn", "xla"), "tpu": ("pallas", "pallas"), "cpu": (
 class Segment(NamedTuple):
     """Keys ``[B, Hkv, S, D]`` and values of one part of an attention, of which each row's queries see the
     first ``lengths [B]``; ``causal``: query ``i`` sees key ``j`` only if ``j <= i`` (a block attending to
-    itself)."""
+    itself); ``mask [B, T, S]``: an explicit visibility on top of ``lengths`` (a tree's ancestors: query ``i``
+    sees key ``j`` iff node ``j`` is ``i`` or one of its ancestors). Masked segments are small (a verify
+    block) and go through XLA whatever the kernel."""
 
     keys: jax.Array
     values: jax.Array
     lengths: jax.Array
     causal: bool = False
+    mask: jax.Array | None = None
 
 
 def group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -153,9 +156,9 @@ def _query_tile(rows: int) -> int | None:
 PALLAS_KEY_ALIGN = 16
 
 
-def _grouped_xla(q, k, v, lengths, causal):
+def _grouped_xla(q, k, v, lengths, causal, mask=None):
     """``_kernel_pallas``'s result computed by XLA in its grouped layout (q ``[B, Hkv, G*T, D]``): for segments
-    too narrow for a TPU kernel."""
+    too narrow for a TPU kernel, and for masked ones (``mask [B, T, S]``, ``Segment.mask``)."""
     slots, d = k.shape[2], q.shape[-1]
     s = jnp.einsum("bhrd,bhsd->bhrs", q, k, preferred_element_type=jnp.float32) * d**-0.5
     key_pos = jnp.arange(slots)
@@ -163,6 +166,9 @@ def _grouped_xla(q, k, v, lengths, causal):
     if causal:
         query_pos = jnp.arange(q.shape[2]) % slots
         visible = visible & (key_pos[None, :] <= query_pos[:, None])[None, None]
+    if mask is not None:  # row r of a group is block position r % T
+        t = mask.shape[1]
+        visible = visible & jnp.tile(mask, (1, q.shape[2] // t, 1))[:, None]
     s = jnp.where(visible, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -289,6 +295,18 @@ def group_sinks(sinks: jax.Array, hkv: int, t: int) -> jax.Array:
     return jnp.repeat(sinks.astype(jnp.float32).reshape(hkv, -1), t, axis=1)
 
 
+def _masked_segment(q, keys, values, lengths, causal, mask, grouped: bool):
+    """A masked segment through XLA, laid out as the kernel's own results: grouped rows ``[B, Hkv, G*T, ...]``
+    (Pallas) or ``[B, Hq, T, ...]`` (the others; query head ``h`` is KV head ``h // G``'s ``h % G``-th)."""
+    b, t, hq, _ = q.shape
+    hkv = keys.shape[1]
+    out, lse = _grouped_xla(group_queries(q, hkv), keys, values, lengths, causal, mask)
+    if grouped:
+        return out, lse
+    out = ungroup_queries(out, t).transpose(0, 2, 1, 3)
+    return out, lse.reshape(b, hkv, hq // hkv, t).reshape(b, hq, t)
+
+
 _KERNELS = {"xla": _kernel_xla, "cudnn": _kernel_cudnn, "pallas": _kernel_pallas}
 
 
@@ -311,8 +329,11 @@ def fused_attention(q: jax.Array, segments: Sequence[Segment], kernel: str,
         query = q.transpose(0, 2, 1, 3)  # [B, Hq, T, D]
     parts = []
     for seg in segments:
-        out, lse = run(query, seg.keys.astype(q.dtype), seg.values.astype(q.dtype), seg.lengths.astype(jnp.int32),
-                       seg.causal)
+        keys, values, lengths = seg.keys.astype(q.dtype), seg.values.astype(q.dtype), seg.lengths.astype(jnp.int32)
+        if seg.mask is not None:
+            out, lse = _masked_segment(q, keys, values, lengths, seg.causal, seg.mask, grouped=kernel == "pallas")
+        else:
+            out, lse = run(query, keys, values, lengths, seg.causal)
         seen = (seg.lengths > 0)[:, None, None]
         parts.append((jnp.where(seen[..., None], out.astype(jnp.float32), 0.0),
                       jnp.where(seen, lse.astype(jnp.float32), -jnp.inf), seen))

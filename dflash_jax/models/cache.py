@@ -90,7 +90,28 @@ class KVCache:
         return max(k.shape[2] for k in self.keys)
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
+        """The rollback of a chain: the rows keep their first ``lengths`` positions (what a forward wrote past
+        them is stale and never seen)."""
         return self.replace(lengths=lengths.astype(jnp.int32))
+
+    def commit_path(self, base: jax.Array, perm: jax.Array, lengths: jax.Array) -> "KVCache":
+        """The rollback of a tree (``engine/tree.py``): a verify block written at slots ``base + i`` (``base
+        [B]``, the rows' lengths before it) is reordered so that slot ``base + j`` takes slot ``base +
+        perm[:, j]`` (``perm [B, N]``: the accepted path's nodes first, the identity elsewhere), then the rows
+        keep ``lengths``. Node ``perm[j]`` was rotated for position ``base + j``, so nothing is re-rotated;
+        ring layers map slots modulo their size (they hold at least ``N`` slots past the window). The chain is
+        the identity permutation: ``with_lengths``. Attention layers only (a tree refuses linear layers)."""
+        n = perm.shape[1]
+        rows = jnp.arange(perm.shape[0])[:, None]
+
+        def move(layer: jax.Array) -> jax.Array:
+            size = layer.shape[2]
+            source = (base[:, None] + perm) % size
+            dest = (base[:, None] + jnp.arange(n, dtype=perm.dtype)[None]) % size
+            return layer.at[rows, :, dest].set(layer[rows, :, source])  # read all, then write: order-safe
+
+        return self.replace(keys=tuple(map(move, self.keys)), values=tuple(map(move, self.values)),
+                            lengths=lengths.astype(jnp.int32))
 
 
 def lengths_after_write(lengths: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:

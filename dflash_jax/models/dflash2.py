@@ -180,3 +180,21 @@ def select_chain(selector: CandidateSelector, logits: jax.Array, hidden: jax.Arr
     q = jnp.moveaxis(q, 0, 1)  # [B, K, k]
     probs = jnp.put_along_axis(jnp.zeros(logits.shape, jnp.float32), candidates, q, axis=-1, inplace=False)
     return tokens, probs
+
+
+def select_transitions(selector: CandidateSelector, logits: jax.Array, hidden: jax.Array, anchor: jax.Array,
+                       k: int) -> tuple[jax.Array, jax.Array]:
+    """For a tree over the selector's choices (SPEC 12.1.3; inside ``apply``): each mask position's first ``k``
+    of the selector's candidates ``tokens [B, K, k]`` and ``transitions [B, K, k, k]``, the selector's
+    log-softmax over a position's candidates given each candidate of the position before as predecessor
+    (position 0: given the anchor, in every row). The selector's greedy chain follows each row's argmax."""
+    unary, candidates = top_candidates(logits, selector.top_k)
+    unary, candidates = unary[..., :k], candidates[..., :k]
+    b, positions = candidates.shape[:2]
+    successors = successor_codes(selector.successor_codebook, candidates)  # [B, K, k, r]
+    predecessors = jnp.concatenate([jnp.broadcast_to(anchor.astype(candidates.dtype)[:, None, None], (b, 1, k)),
+                                    candidates[:, :-1]], axis=1)  # [B, K, k]: row j of position d = candidate j of d-1
+    expand = lambda x: jnp.broadcast_to(x[:, :, None], (b, positions, k) + x.shape[2:])  # noqa: E731
+    scores = pair_scores(selector.predecessor_codebook, expand(successors), expand(unary),
+                         expand(selector.project(hidden)), predecessors)
+    return candidates, jax.nn.log_softmax(scores, axis=-1)

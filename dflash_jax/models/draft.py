@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from dflash_jax.models.attention_kernels import Segment
 from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
-from dflash_jax.models.dflash2 import BlockConv, CandidateSelector, select_chain
+from dflash_jax.models.dflash2 import BlockConv, CandidateSelector, select_chain, select_transitions
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.layers import (
     MLP, RMSNorm, apply_rope, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
@@ -303,6 +303,11 @@ class DraftModel(nn.Module):
         """DFlash2: the block's chain of candidates (``dflash2.select_chain``) from a forward's mask-position
         ``logits`` and ``hidden``."""
         return select_chain(self.candidate_selector, logits, hidden, anchor, temperature, key)
+
+    def transitions(self, logits: jax.Array, hidden: jax.Array, anchor: jax.Array, k: int):
+        """DFlash2: the selector's candidates and their transition log-probs, for a tree
+        (``dflash2.select_transitions``)."""
+        return select_transitions(self.candidate_selector, logits, hidden, anchor, k)
 
     def context_bound(self, i: int) -> int | None:
         """How far back layer ``i``'s block queries see the context (``q_pos - k_pos < bound``): its sliding

@@ -272,7 +272,7 @@ WINDOW_QUERY_TILE = 256  # queries per step of a windowed layer's attention over
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_kv: tuple[jax.Array, jax.Array],
                    positions: jax.Array, valid: jax.Array, lengths: jax.Array, window: int,
-                   sinks: jax.Array | None = None, tile: int = WINDOW_QUERY_TILE):
+                   sinks: jax.Array | None = None, tile: int = WINDOW_QUERY_TILE, block_mask: jax.Array | None = None):
     """A sliding-window layer's forward over its ring cache (``models/cache.ring_slots``): the attention of
     ``q [B, T, Hq, D]`` and the cache with the block's ``k, v [B, T, Hkv, D]`` written. Returns ``(out,
     (keys, values))``.
@@ -286,7 +286,12 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_kv: tuple[jax
     queries, each a static slice of ``window - 1 + tile`` keys. Shapes and the number of tiles (one in a
     decode round) are static: no loop whose trip count depends on data, a cost that follows the window and
     not the context. The write keeps a row's last ``R`` valid positions; ``lengths [B]``, the rows' lengths
-    after the block, say which those are."""
+    after the block, say which those are.
+
+    ``block_mask [B, T, T]`` (a tree block, ``TargetModel``'s ``tree``): token ``i`` is at ``positions[:, i]`` (the
+    committed length plus its depth, siblings alike) but is written as if at ``first + i`` (its scratch slot,
+    moved into place by the commit), and sees the block tokens ``block_mask`` allows inside its window. The
+    ring must hold ``window - 1 + T`` slots (``init_cache``'s ``extension``)."""
     k_cache, v_cache = cache_kv
     b, t = positions.shape
     size = k_cache.shape[2]
@@ -297,6 +302,15 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_kv: tuple[jax
     keys = jnp.concatenate([take(k_cache, held % size), to_cache_layout(k).astype(k_cache.dtype)], axis=2)
     values = jnp.concatenate([take(v_cache, held % size), to_cache_layout(v).astype(v_cache.dtype)], axis=2)
     exists = jnp.concatenate([held >= 0, valid], axis=1)  # [B, W - 1 + T]
+
+    if block_mask is not None:  # one tile: the window by position, the block by ancestry
+        near = lambda key_positions: key_positions[:, None, :] > positions[:, :, None] - window  # noqa: E731
+        mask = jnp.concatenate([near(held) & (held >= 0)[:, None, :],
+                                near(positions) & block_mask & valid[:, None, :]], axis=2)
+        out = attention(q, [(keys, values, mask)], sinks=sinks)
+        at = first[:, None] + jnp.arange(t, dtype=first.dtype)[None]
+        slots = jnp.where(valid & (at >= lengths[:, None] - size), at % size, size)
+        return out, (write_rows(k_cache, k, slots), write_rows(v_cache, v, slots))
 
     c = min(t, tile)
     tiles = -(-t // c)

@@ -49,12 +49,13 @@ class TargetAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None, lengths=None,
-                 valid=None):
-        """``mask``: ``[B, T, T]`` without a cache; with one, ``visible(key_positions) -> [B, T, C]`` and the
+                 valid=None, block_mask=None):
+        """``mask``: ``[B, T, T]`` without a cache; with one, ``visible(key_slots) -> [B, T, C]`` and the
         ``live`` slot count that bounds the attention loop (``layers.cache_attention``), ``spans``: the same
         visibility as per-row counts ``(cache slots before the block, valid block tokens)`` for fused kernels,
         ``lengths [B]``: the rows' lengths after the block, and ``valid [B, T]`` the real tokens (a windowed
-        layer's ring reads them)."""
+        layer's ring reads them). ``block_mask [B, T, T]``: a tree block's visibility among its own tokens
+        (``TargetModel``'s ``tree``) instead of causal order."""
         cfg = self.config
         b, t, _ = x.shape
         dense = lambda n, bias, name: nn.Dense(  # noqa: E731
@@ -100,13 +101,15 @@ class TargetAttention(nn.Module):
         window = self.window
         if cache_kv is not None:
             if window is not None:  # a ring; only the positions the window reaches, whatever the context
-                out, new_kv = ring_attention(q, k, v, cache_kv, positions, valid, lengths, window, sinks)
+                out, new_kv = ring_attention(q, k, v, cache_kv, positions, valid, lengths, window, sinks,
+                                             block_mask=block_mask)
             else:
                 k_all = write_rows(cache_kv[0], k, slots)
                 v_all = write_rows(cache_kv[1], v, slots)
                 new_kv = (k_all, v_all)
                 segments = [Segment(k_all, v_all, spans[0]),
-                            Segment(to_cache_layout(k), to_cache_layout(v), spans[1], causal=True)]
+                            Segment(to_cache_layout(k), to_cache_layout(v), spans[1], causal=block_mask is None,
+                                    mask=block_mask)]
                 out = cache_attention(q, k_all, v_all, mask, live, segments=segments, sinks=sinks)
         else:
             new_kv = None
@@ -127,7 +130,7 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None, valid=None,
-                 lengths=None, new_lengths=None):
+                 lengths=None, new_lengths=None, block_mask=None):
         """``cache_kv``: this layer's cache, ``(keys, values)`` for attention or a ``LinearState`` for a Gated
         DeltaNet (which reads ``valid`` and the rows' ``lengths`` instead of the attention masks);
         ``new_lengths``: the rows' lengths after this forward."""
@@ -142,7 +145,7 @@ class DecoderLayer(nn.Module):
                 new_kv = None
         else:
             mixed, new_kv = TargetAttention(cfg, self.dtype, cfg.window(self.index), name="self_attn")(
-                h, positions, mask, cache_kv, slots, live, spans, new_lengths, valid)
+                h, positions, mask, cache_kv, slots, live, spans, new_lengths, valid, block_mask)
 
         def ffn(h, residual):
             if cfg.is_expert_layer(self.index) and not cfg.experts_beside_mlp:
@@ -214,6 +217,7 @@ class TargetModel(nn.Module):
         feature_layers: Sequence[int] = (),
         logits_at: jax.Array | None = None,
         skip_logits: bool = False,
+        tree: jax.Array | None = None,
     ) -> TargetOutput:
         """Run ``tokens [B, T]`` at absolute ``positions [B, T]``.
 
@@ -225,12 +229,34 @@ class TargetModel(nn.Module):
         valid tokens must continue it from its length, as the engine's prefill chunks and rounds do (a linear
         layer's state has no slots to write at other positions); lowering lengths afterwards rolls the linear
         states back too (``models/cache.py``).
+
+        ``tree [B, T, T]`` (with a cache; tree verification, ``engine/tree.py``): the block is a draft tree whose
+        token ``i`` sees the committed context and the tokens ``j`` with ``tree[b, i, j]`` (its ancestors and
+        itself). Token ``i`` is written at slot ``length + i`` whatever its position (``length + depth``), so
+        the row's length grows by ``T`` and the engine's commit then moves the accepted path into place
+        (``KVCache.commit_path``). Attention layers only: a Gated DeltaNet layer cannot branch.
         """
         if valid is None:
             valid = jnp.ones(tokens.shape, bool)
         x = self.embed(tokens)
         live = spans = new_lengths = None
-        if cache is not None:
+        if cache is not None and tree is not None:
+            if self.config.linear_layers:
+                raise ValueError("a tree block cannot run through Gated DeltaNet layers")
+            t = tokens.shape[1]
+            tree = tree & valid[:, None, :]  # invalid tokens are neither written nor seen
+            base = cache.lengths
+            slots = jnp.where(valid, base[:, None] + jnp.arange(t, dtype=jnp.int32)[None], cache.num_slots)
+            new_lengths = jnp.where(valid.any(axis=1), base + t, base)
+            live = jnp.max(new_lengths)
+
+            def mask(key_slot):
+                rel = key_slot[None, None, :] - base[:, None, None]
+                index = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (tree.shape[0], t, key_slot.shape[0]))
+                return (rel < 0) | ((rel < t) & jnp.take_along_axis(tree, index, axis=2))
+
+            spans = (base, jnp.sum(valid, axis=1, dtype=jnp.int32))
+        elif cache is not None:
             slots = write_slots(positions, valid, cache.num_slots)
             new_lengths = lengths_after_write(cache.lengths, positions, valid)
             live = jnp.max(new_lengths)  # the attention loop stops at the longest row
@@ -257,7 +283,7 @@ class TargetModel(nn.Module):
                 layer_cache = cache.linear[linear_index[i]] if i in linear_index else (
                     cache.keys[attention_index[i]], cache.values[attention_index[i]])
             x, new_kv = layer(x, positions, mask, layer_cache, slots, live, spans, valid, lengths,
-                              new_lengths if cache is not None else None)
+                              new_lengths if cache is not None else None, tree)
             if isinstance(new_kv, LinearState):
                 new_linear.append(new_kv)
             elif new_kv is not None:
