@@ -215,17 +215,18 @@ def abstract(tree: Any, shardings: Any) -> Any:
 def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: int = 4096,
                 max_new_tokens: int = 256, dtype: Any = jnp.bfloat16, mesh: str | None = None,
                 mxfp4: str = "dequantize", attention: str = "auto", device: str = "cpu",
-                block_size: int | None = None, progress=None, keep_text: bool = False) -> dict:
+                block_size: int | None = None, tree_budget: int = 0, progress=None, keep_text: bool = False) -> dict:
     """Compile the engine's prefill and decode loop for ``device`` from abstract params (no weights) and
     report what one device holds and runs. ``context``: the positions a row holds at the end (its prompt is
     ``context - max_new_tokens`` tokens); ``mesh``: ``axis=size`` pairs (``tensor=8``); ``mxfp4``: gpt-oss's
     expert weights ``packed`` (as ``--mxfp4 packed``) or decoded. ``draft_config`` None plans the
-    autoregressive baseline. ``keep_text`` adds the compiled programs' HLO text under ``_text``."""
+    autoregressive baseline; ``tree_budget``: rounds verify a draft tree of that many nodes (``--tree``).
+    ``keep_text`` adds the compiled programs' HLO text under ``_text``."""
     from dflash_jax import sharding
     from dflash_jax.checkpoints.expert_layouts import with_mxfp4
     from dflash_jax.checkpoints.hf_target import abstract_target_params
     from dflash_jax.checkpoints.official_draft import abstract_draft_params
-    from dflash_jax.engine.generate import DecodeSettings, cache_slots, jitted_functions, prompt_width
+    from dflash_jax.engine.generate import DecodeSettings, cache_slots, jitted_functions, prompt_width, verify_span
     from dflash_jax.engine.proposers import DFlashProposer, NoProposer
     from dflash_jax.models import experts
     from dflash_jax.models.draft import shared_head
@@ -249,7 +250,10 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
     if context > target_config.max_position_embeddings:
         raise UserError(f"context {context} exceeds the target's {target_config.max_position_embeddings} positions")
     width = prompt_width(prompt, max_new_tokens, target_config.max_position_embeddings)
-    slots = cache_slots(prompt, max_new_tokens, block, target_config.max_position_embeddings)
+    if tree_budget and draft_config is None:
+        raise UserError("a tree budget needs a draft (not the baseline)")
+    span_settings = DecodeSettings(max_new_tokens, tree_budget=tree_budget)
+    slots = cache_slots(prompt, max_new_tokens, verify_span(span_settings, block), target_config.max_position_embeddings)
     the_mesh = sharding.make_mesh(sizes, devices=target.devices)
     rep = sharding.replicated(the_mesh)
     t_start = time.perf_counter()
@@ -259,7 +263,7 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
             experts.recording_reads() as reads:
         tparams = abstract_target_params(target_config, dtype)
         tparams = abstract(tparams, sharding.tree_shardings(tparams, the_mesh))
-        settings = DecodeSettings(max_new_tokens, mesh=the_mesh, attention=attention)
+        settings = DecodeSettings(max_new_tokens, mesh=the_mesh, attention=attention, tree_budget=tree_budget)
         if draft_config is None:
             proposer, (consts, pstate) = NoProposer(), NoProposer().init()
         else:
@@ -301,7 +305,7 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
         "num_devices": count,
         "mesh": {a: int(s) for a, s in sizes.items()},
         "batch": batch, "context": context, "prompt_tokens": prompt, "max_new_tokens": max_new_tokens,
-        "block_size": block, "cache_slots": slots, "dtype": jnp.dtype(dtype).name, "mxfp4": mxfp4,
+        "block_size": block, "tree_budget": tree_budget, "cache_slots": slots, "dtype": jnp.dtype(dtype).name, "mxfp4": mxfp4,
         "attention": attention,
         "weights_gib": gib(weights),
         "cache_gib": gib(caches),

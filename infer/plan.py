@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N",
                         help="new tokens per row (default 256); the prompt is --context minus this")
     parser.add_argument("--block-size", type=int, metavar="B", help="verify block (default: the draft's)")
+    parser.add_argument("--tree", type=int, default=0, metavar="N",
+                        help="plan rounds that verify a draft tree of N nodes (as python -m infer --tree)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="compute dtype of weights and activations (default bfloat16)")
     parser.add_argument("--mesh", metavar="SPEC",
@@ -107,7 +109,7 @@ def _table(plan: dict) -> str:
     lines = [
         f"device {plan['device']} ({plan['platform']}), {mesh}; batch {plan['batch']}, context {plan['context']} "
         f"({plan['prompt_tokens']} prompt + {plan['max_new_tokens']} new, {plan['cache_slots']} cache slots), "
-        f"block {plan['block_size']}, {plan['dtype']}, mxfp4 {plan['mxfp4']}, attention {plan['attention']}",
+        f"block {plan['block_size']}{', tree of ' + str(plan['tree_budget']) + ' nodes' if plan.get('tree_budget') else ''}, {plan['dtype']}, mxfp4 {plan['mxfp4']}, attention {plan['attention']}",
         "per device:",
         f"  weights            {gib('weights_gib')}",
         f"  caches             {gib('cache_gib')}",
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     progress = None if args.json else (lambda message: print(message + " ...", flush=True))
     plan = plan_decode(target, draft, batch=args.batch, context=args.context, max_new_tokens=args.max_new_tokens,
                        dtype=args.dtype, mesh=args.mesh, mxfp4=args.mxfp4, attention=args.attention,
-                       device=args.device, block_size=args.block_size, progress=progress)
+                       device=args.device, block_size=args.block_size, tree_budget=args.tree, progress=progress)
     print(json.dumps(plan) if args.json else _table(plan))
     return 0
 

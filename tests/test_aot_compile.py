@@ -75,6 +75,18 @@ def test_dense_pairing_compiles_with_fused_attention_and_no_loop_in_a_round(plan
     assert 0 < p["weights_gib"] < p["total_gib"] < p["device_memory_gib"] and p["fits"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_rounds_compile_with_the_fused_kernel_and_no_loop(device):
+    """Tree verification (``--tree``; gpt-oss: windows as rings, sinks, routed experts): the committed context
+    still goes through the device's fused kernel (the tree block beside it as a masked XLA segment), with no
+    data-dependent loop in a round, and the experts one round reads are the routed ones of its 25 tokens."""
+    p = plan(GPT_OSS, device, tree_budget=24)
+    assert p["tree_budget"] == 24 and p["loops_per_round"] == 0
+    kernel = {"h200": "cuDNN flash attention", "v5p": "Pallas/Mosaic TPU kernel"}[device]
+    assert p["fused_kernels"]["decode"].get(kernel, 0) >= 2
+    assert 0 < p["expert_bytes_per_round"] <= 1.5 * p["routed_expert_bytes_per_round"]
+
+
 # Every GPU case; the TPU (a slower compile here) with packed experts, which exercise the routed float path's
 # gather too (decoded rows) and the TPU-specific hoisting barrier.
 GPT_OSS_CASES = [pytest.param(d, m, marks=needs[d]) for d, m in

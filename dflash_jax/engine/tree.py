@@ -177,16 +177,20 @@ def chain_tree(tokens: jax.Array, root_token: jax.Array | int = 0, log_probs: ja
 
 
 def _assemble(*, parents: jax.Array, max_depth: int, **fields) -> Tree:
-    """Adds the ancestor matrix: follow each node's parent chain ``max_depth`` times (the root is its own
-    parent, so chains stop there) and mark every node met; O(D * N) gathers, no N x N matmuls."""
-    n = parents.shape[0]
+    """Adds the ancestor matrix by squaring the reachability matrix ``I | P`` (``P[i, parent(i)]``; the root
+    is its own parent): after ``m`` squarings it holds every ancestor up to ``2**m`` steps up, so
+    ``ceil(log2(D))`` squarings (``depth <= min(D, B)``) reach the root from any node. A handful of tiny
+    matmuls: following the parent chain ``D`` times instead (a chain of gathers, each result read twice) made
+    XLA:GPU's fusion duplicate the chain into every consumer: a 16-node tree's decode loop took over 11 GB to
+    compile for an H200."""
+    n = parents.shape[-1]
     column = jnp.arange(n, dtype=jnp.int32)
-    current = column
-    ancestors = jnp.zeros((n, n), bool)
-    for _ in range(min(max_depth, n - 1) + 1):  # depth <= min(D, B): D + 1 steps reach the root from any node
-        ancestors = ancestors | (current[:, None] == column[None, :])
-        current = parents[current]
-    return Tree(parents=parents, ancestors=ancestors, max_depth=max_depth, **fields)
+    reach = (parents[:, None] == column[None, :]) | (column[:, None] == column[None, :])
+    longest = max(1, min(max_depth, n - 1))
+    for _ in range((longest - 1).bit_length()):
+        r = reach.astype(jnp.float32)
+        reach = jnp.matmul(r, r, precision=jax.lax.Precision.HIGHEST) > 0  # counts of paths: any is one
+    return Tree(parents=parents, ancestors=reach, max_depth=max_depth, **fields)
 
 
 # ----------------------------------------------------------------------------------------------------------
