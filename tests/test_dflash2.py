@@ -327,3 +327,36 @@ def test_tree_over_the_selector_on_the_demo_pair():
         runs[budget] = generate(tc, tp, [prompt], prop, inputs, DecodeSettings(max_new_tokens=new, tree_budget=budget))
         assert runs[budget].tokens == answer, budget
     assert runs[24].tau > runs[0].tau, (runs[24].tau, runs[0].tau)
+
+
+def test_selector_transitions_equal_pair_scores_per_predecessor():
+    """The tree's transition table (``dflash2.select_transitions``) row by row against the chain's own
+    ``pair_scores`` for that predecessor (position 0: the anchor), log-softmaxed over the candidates (float32,
+    1e-5)."""
+    from dflash_jax.assets import DEMO_DRAFT
+    from dflash_jax.checkpoints.loading import load_draft_any
+    from dflash_jax.models.dflash2 import pair_scores, successor_codes, top_candidates
+    from dflash_jax.models.draft import DraftModel
+
+    config, params = load_draft_any(DEMO_DRAFT)
+    rng = np.random.default_rng(4)
+    b, positions, k = 2, config.block_size - 1, 5
+    logits = jnp.asarray(rng.normal(size=(b, positions, config.vocab_size)) * 3, jnp.float32)
+    hidden = jnp.asarray(rng.normal(size=(b, positions, config.hidden_size)), jnp.float32)
+    anchor = jnp.asarray([7, 300], jnp.int32)
+    model = DraftModel(config)
+    tokens, trans = model.apply({"params": params}, logits, hidden, anchor, k, method=DraftModel.transitions)
+    sel = params["candidate_selector"]
+    unary, cand = top_candidates(logits, config.selector_top_k)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(cand[..., :k]))
+    projected = np.asarray(hidden) @ np.asarray(sel["hidden_projection"]["kernel"])
+    for row in range(b):
+        for d in range(positions):
+            preds = [int(anchor[row])] if d == 0 else [int(t) for t in cand[row, d - 1, :k]]
+            for p_index, pred in enumerate(preds):
+                s = pair_scores(sel["predecessor_codebook"], successor_codes(sel["successor_codebook"],
+                                cand[row, d, :k]), unary[row, d, :k], jnp.asarray(projected[row, d]), jnp.int32(pred))
+                want = np.asarray(jax.nn.log_softmax(s))
+                np.testing.assert_allclose(np.asarray(trans[row, d, p_index]), want, atol=1e-5)
+            if d == 0:  # every row of position 0 is the anchor's
+                np.testing.assert_allclose(np.asarray(trans[row, 0]), np.broadcast_to(want, (k, k)), atol=1e-5)

@@ -190,11 +190,13 @@ def select_transitions(selector: CandidateSelector, logits: jax.Array, hidden: j
     (position 0: given the anchor, in every row). The selector's greedy chain follows each row's argmax."""
     unary, candidates = top_candidates(logits, selector.top_k)
     unary, candidates = unary[..., :k], candidates[..., :k]
-    b, positions = candidates.shape[:2]
+    b = candidates.shape[0]
     successors = successor_codes(selector.successor_codebook, candidates)  # [B, K, k, r]
     predecessors = jnp.concatenate([jnp.broadcast_to(anchor.astype(candidates.dtype)[:, None, None], (b, 1, k)),
                                     candidates[:, :-1]], axis=1)  # [B, K, k]: row j of position d = candidate j of d-1
-    expand = lambda x: jnp.broadcast_to(x[:, :, None], (b, positions, k) + x.shape[2:])  # noqa: E731
-    scores = pair_scores(selector.predecessor_codebook, expand(successors), expand(unary),
-                         expand(selector.project(hidden)), predecessors)
+    # pair_scores for every (predecessor, candidate) pair of a position at once: one [k, r] x [r, k] product
+    # per row and position (broadcasting pair_scores' operands instead made XLA:CPU loop over every pair row).
+    pred = jnp.take(selector.predecessor_codebook, predecessors, axis=0, mode="clip").astype(jnp.float32)
+    pred = pred * selector.project(hidden).astype(jnp.float32)[:, :, None, :]
+    scores = unary.astype(jnp.float32)[:, :, None, :] + jnp.einsum("bdpr,bdcr->bdpc", pred, successors)
     return candidates, jax.nn.log_softmax(scores, axis=-1)
