@@ -6,8 +6,14 @@ nodes is the chain: same tokens, same acceptance lengths, same proposals), and a
 oracle proposer (a full binary tree of its two candidates holds every path, so every round accepts the whole
 block). The commit is exercised where accepted nodes are not at their chain slots (oracle alternatives), with
 sliding-window ring caches and sinks (gpt-oss), stop tokens inside an accepted path, rows of different
-lengths, and the fused-attention layout (``xla``: the tree block as a masked segment).
+lengths, the fused-attention layout (``xla``: the tree block as a masked segment), and a mesh (data x tensor).
 """
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -148,3 +154,16 @@ def test_refusals(dense):
     hc, hp = tiny_moe_target("qwen3_5")
     with pytest.raises(UserError, match="Gated DeltaNet"):
         Decoder(hc, hp, dc, dp, tree_budget=4).generate([[1, 2, 3]], 4)
+
+
+def test_sharded_tree_equals_one_device():
+    """data=2,tensor=2 on 4 fake CPU devices (a subprocess: the device count is fixed when JAX starts)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "sharded_tree_check.py")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["devices"] == 4
+    one, sharded = out["runs"]["one"], out["runs"]["data2_tensor2"]
+    assert one["tokens"] == out["ar"] and sharded == one
+    assert max(max(row) for row in one["accept"]) > 3  # the tree went past planted errors
