@@ -366,8 +366,10 @@ def test_bench_on_a_tiny_hf_target_with_chat_template(tmp_path, capsys):
     assert second["prompt_tokens"] > first["prompt_tokens"] + first["dflash"]["tokens"] - 1
 
 
-def test_bench_on_a_prompt_file(tmp_path):
-    """--prompt-file runs your own prompts (here: story openings on the shipped stories260K) as a dataset."""
+@pytest.mark.parametrize("tree", [0, 6])
+def test_bench_on_a_prompt_file(tmp_path, tree):
+    """--prompt-file runs your own prompts (here: story openings on the shipped stories260K) as a dataset; with
+    --tree the rounds verify a tree (the answers still equal the baseline's)."""
     from dflash_jax.assets import DEMO_TARGET
     from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft
     from dflash_jax.models.config import TargetConfig
@@ -380,9 +382,11 @@ def test_bench_on_a_prompt_file(tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Once upon a time", "Tom had a"]))
     with contextlib.redirect_stdout(io.StringIO()):
         rc = bench_cli.main(["--target", str(DEMO_TARGET), "--ckpt", str(draft), "--prompt-file", str(prompts),
-                             "--max-new-tokens", "12", "--no-chat-template", "--out", str(tmp_path / "out")])
+                             "--max-new-tokens", "12", "--no-chat-template", "--out", str(tmp_path / "out")]
+                            + (["--tree", str(tree)] if tree else []))
     assert rc == 0
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["meta"]["tree_budget"] == tree
     assert list(doc["summary"]) == ["openings"] and doc["summary"]["openings"]["samples"] == 2
     assert doc["summary"]["openings"]["identical"] == 1.0
 
