@@ -3,7 +3,9 @@
 The same program runs DFlash (a draft proposer, block B) and the autoregressive baseline (``NoProposer``,
 block 1): a round verifies ``[anchor, d_1 .. d_K]`` with the target, accepts a prefix, commits it plus the
 target's own next token, and rolls the cache back by lowering lengths. Rows are independent: each has its
-own anchor, position, acceptance and done flag; finished rows keep computing but stop advancing.
+own anchor, position, acceptance and done flag; finished rows keep computing but stop advancing. With a tree
+budget (``tree_round``) a round verifies a tree of the draft's most probable prefixes instead of its chain,
+and the rollback moves the accepted path's keys and values into place (``KVCache.commit_path``).
 """
 
 from __future__ import annotations
