@@ -42,11 +42,14 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
-# The longest modules (seconds on 2 cores, mostly subprocesses over 8 fake devices or 2 processes) go first,
-# so that with two xdist workers (pyproject's addopts: -n 2 --dist loadfile) no long module starts last while
-# the other worker sits idle.
-LONG_MODULES = ("test_train_step.py", "test_engine_sharded.py", "test_moe_sharded.py", "test_train_fit.py",
-                "test_multiprocess_infer.py", "test_fused_attention.py")
+# The longest modules (mostly subprocesses over 8 fake devices or 2 processes) go first, longest first, so that
+# with two xdist workers (pyproject's addopts: -n 2 --dist loadfile) no long module starts last while the other
+# worker sits idle. Seconds alone on the shared 2-core VM (2026-12-03): train_fit ~300, moe_sharded ~230,
+# train_step ~245, aot_compile ~150, engine_sharded ~130, fused_attention ~100, train_plan_device ~70,
+# multiprocess_infer ~65.
+LONG_MODULES = ("test_train_fit.py", "test_train_step.py", "test_moe_sharded.py", "test_aot_compile.py",
+                "test_engine_sharded.py", "test_fused_attention.py", "test_train_plan_device.py",
+                "test_multiprocess_infer.py")
 
 
 def pytest_collection_modifyitems(config, items):

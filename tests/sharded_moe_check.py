@@ -2,7 +2,14 @@
 Qwen3-MoE and gpt-oss) and a hybrid one (Qwen3-Next: Gated DeltaNet layers and experts) on one device and
 sharded with their experts split over the ``expert`` mesh axis, linear-attention channels over ``tensor``.
 Engine: DFlash with a random draft, the autoregressive baseline and planted acceptance (an oracle with
-errors), greedy. Train step: loss, gradients and updated draft params. Prints one JSON object."""
+errors), greedy. Train step: loss, gradients and updated draft params. Prints one JSON object; each part's wall
+time goes to stderr (tests/section_timer.py).
+
+The engine's programs are compiled with XLA's backend optimizations off (``jax_disable_most_optimizations``,
+as in tests/sharded_decode_check.py: about half the compile time, the same tokens; every comparison between
+programs compiled alike). The train steps keep them: their float comparisons have tolerances of a few float32
+rounding steps, and unoptimised reductions (not vectorised) bring them closer to the bound (gpt-oss's loss
+4.9e-7 relative instead of 7e-8, of 1e-6)."""
 
 import os
 import sys
@@ -29,6 +36,7 @@ from dflash_jax.training.step import (  # noqa: E402
     StepConfig, accumulated_gradients, init_train_state, make_optimizer, make_train_step,
 )
 from engine_tiny import tiny_draft, tiny_moe_target  # noqa: E402
+from section_timer import section  # noqa: E402
 from train_tiny import STEP_KW, tiny_tokenized  # noqa: E402
 
 FAMILIES = ("qwen3_moe", "gpt_oss", "qwen3_next")
@@ -38,6 +46,14 @@ HYBRID_TRAIN_MESHES = ("fsdp=8", "fsdp=2,tensor=2,expert=2")
 
 
 def engine_runs(family):
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        return _engine_runs(family)
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+
+
+def _engine_runs(family):
     tc, tp = tiny_moe_target(family)
     dc, dp = tiny_draft(block=8)
     rng = np.random.default_rng(0)
@@ -50,7 +66,8 @@ def engine_runs(family):
         if mesh is not None:
             specs[name] = sorted({str(x.sharding.spec) for x in jax.tree.leaves(decoder.target_params)})
         for baseline in (False, True) if mesh is None else (False,):  # the planted run covers the rest
-            r = decoder.generate(prompts, 24, baseline=baseline)
+            with section(f"{family} {name} {'ar' if baseline else 'dflash'}"):
+                r = decoder.generate(prompts, 24, baseline=baseline)
             runs[f"{name}/{'ar' if baseline else 'dflash'}"] = {"tokens": r.tokens, "accept": r.accept_lengths}
         if reference is None:  # the greedy continuation, errors planted at about every 3rd position
             reference = np.zeros((len(prompts), 64), np.int32)
@@ -58,13 +75,19 @@ def engine_runs(family):
                 reference[i, : len(p) + len(g)] = p + g
             errors = (np.arange(64)[None] % 3 == 0) & (rng.random((len(prompts), 64)) < 0.7)
         oracle = OracleProposer(8, tc.vocab_size)
-        r = generate(tc, decoder.target_params, prompts, oracle, oracle.init(reference, errors),
-                     DecodeSettings(24, mesh=mesh))
+        with section(f"{family} {name} oracle"):
+            r = generate(tc, decoder.target_params, prompts, oracle, oracle.init(reference, errors),
+                         DecodeSettings(24, mesh=mesh))
         runs[f"{name}/oracle"] = {"tokens": r.tokens, "accept": r.accept_lengths}
     return runs, specs
 
 
 def train_run(family, spec):
+    with section(f"{family} train {spec or 'one'}"):
+        return _train_run(family, spec)
+
+
+def _train_run(family, spec):
     tc, tp = tiny_moe_target(family)
     dc, dp = tiny_draft()
     cfg = StepConfig(feature_layers=dc.target_layer_ids, **STEP_KW)
@@ -115,7 +138,7 @@ def sharded_loads():
     mesh = sharding.make_mesh("data=2,tensor=2,expert=2")
     out = {}
     for variant in ("gpt_oss", "qwen3_next"):
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, section(f"load {variant}"):
             make_hf_target(variant, Path(tmp))
             _, one = load_target_any(tmp)
             _, sharded = load_target_any(tmp, mesh=mesh)

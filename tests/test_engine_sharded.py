@@ -1,7 +1,8 @@
 """Sharded inference: the engine on 8 fake CPU devices (tensor, data and fsdp meshes, the training's sharding
-rules) gives the same tokens and acceptance lengths as one device, for DFlash and the baseline, greedy (every
-mesh) and sampling with a fixed seed (data=4, tensor=2). Runs tests/sharded_decode_check.py in a subprocess
-(the device count is fixed when JAX starts)."""
+rules) gives the same tokens and acceptance lengths as one device: DFlash and planted acceptance greedy on
+every mesh, the baseline greedy and both with sampling (fixed seed) on data=4, tensor=2, where the Pallas
+kernel runs per shard too. Runs tests/sharded_decode_check.py in a subprocess (the device count is fixed
+when JAX starts)."""
 
 import json
 import os
@@ -27,7 +28,9 @@ def test_sharded_decoding_equals_one_device():
         reference = runs[f"one/{mode}/{'loop' if kind == 'pallas' else kind}"]
         assert run["tokens"] == reference["tokens"], key
         assert run["accept"] == reference["accept"], key
-    assert {"tensor2_data4/sample/dflash", "tensor2_data4/sample/ar"} <= set(runs)
+    for mesh in ("tensor2_data4", "tensor4_data2", "fsdp2_tensor2_data2"):
+        assert {f"{mesh}/greedy/dflash", f"{mesh}/greedy/oracle"} <= set(runs), mesh
+    assert {"tensor2_data4/greedy/ar", "tensor2_data4/sample/dflash", "tensor2_data4/sample/ar"} <= set(runs)
     assert runs["one/greedy/dflash"]["tokens"] == runs["one/greedy/ar"]["tokens"]  # lossless, as ever
     assert runs["one/greedy/oracle"]["tokens"] == runs["one/greedy/ar"]["tokens"]
     assert "tensor2_data4/short/pallas" in runs  # the sharded Pallas kernel, compared with the loop above

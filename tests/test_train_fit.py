@@ -41,9 +41,17 @@ def fit_cmd(config: Path, out: Path, *extra: str) -> list[str]:
             "--set", f"output.dir={out}", *extra]
 
 
-def run(cmd, timeout=300, **kw):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+def fit_env(root: Path) -> dict:
+    """The environment of a ``train fit`` subprocess: the module's own persistent compile cache (the command
+    line keeps one by default; tests/conftest.py turns the user's off), so that every run after the first
+    loads the train step instead of compiling it again (~8 s a run of the ~30 s). A program that compiles
+    differently (another shape or sharding) has another key and is compiled as ever."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+            "DFLASH_JAX_COMPILE_CACHE": str(root / "xla")}
+
+
+def run(cmd, root: Path, timeout=300, **kw):
+    return subprocess.run(cmd, cwd=REPO, env=fit_env(root), capture_output=True, text=True, timeout=timeout, **kw)
 
 
 def exported(out: Path) -> dict:
@@ -52,13 +60,12 @@ def exported(out: Path) -> dict:
 
 def test_sigkill_mid_training_then_resume_is_bit_identical(tiny):
     root, config, _ = tiny
-    full = run(fit_cmd(config, root / "full"))
+    full = run(fit_cmd(config, root / "full"), root)
     assert full.returncode == 0, full.stderr[-2000:]
     assert "step 30:" in full.stdout
 
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
     killed_out = root / "killed"
-    proc = subprocess.Popen(fit_cmd(config, killed_out), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(fit_cmd(config, killed_out), cwd=REPO, env=fit_env(root), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline and not (killed_out / "checkpoints" / "6").is_dir():
@@ -68,7 +75,7 @@ def test_sigkill_mid_training_then_resume_is_bit_identical(tiny):
     proc.wait()
     assert not (killed_out / "export").exists(), "killed before the end: nothing exported yet"
 
-    resumed = run(fit_cmd(config, killed_out))
+    resumed = run(fit_cmd(config, killed_out), root)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
     a, b = exported(root / "full"), exported(killed_out)
@@ -80,9 +87,9 @@ def test_sigkill_mid_training_then_resume_is_bit_identical(tiny):
 def test_resume_under_changed_settings_is_refused(tiny):
     root, config, _ = tiny
     out = root / "refuse"
-    first = run(fit_cmd(config, out, "--set", "train.max_steps=2"))
+    first = run(fit_cmd(config, out, "--set", "train.max_steps=2"), root)
     assert first.returncode == 0, first.stderr[-2000:]
-    again = run(fit_cmd(config, out, "--set", "train.max_steps=2", "--set", "train.num_anchors=5"))
+    again = run(fit_cmd(config, out, "--set", "train.max_steps=2", "--set", "train.num_anchors=5"), root)
     assert again.returncode == 2
     err = again.stderr.strip().splitlines()[-1]
     assert err.startswith("error:") and "num_anchors: 6 -> 5" in err and str(out) in err
@@ -112,7 +119,7 @@ def test_two_processes_match_one(tiny):
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
     assert "over 2 cpu device(s), 2 process(es)" in outs[0][0]
-    single = run(fit_cmd(config, out_single, "--set", "train.max_steps=3", *evals))
+    single = run(fit_cmd(config, out_single, "--set", "train.max_steps=3", *evals), root)
     assert single.returncode == 0, single.stderr[-2000:]
     a, b = exported(out_multi), exported(out_single)
     for k in a:
@@ -130,8 +137,7 @@ def test_two_processes_match_one(tiny):
 def test_sigterm_saves_a_checkpoint_and_stops(tiny):
     root, config, _ = tiny
     out = root / "term"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen(fit_cmd(config, out, "--set", "output.save_every=1000"), cwd=REPO, env=env,
+    proc = subprocess.Popen(fit_cmd(config, out, "--set", "output.save_every=1000"), cwd=REPO, env=fit_env(root),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and not (out / "metrics.jsonl").is_file():
