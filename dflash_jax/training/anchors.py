@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.sharding import constrain_batch
 
@@ -124,3 +125,41 @@ def block_labels(tokens: jax.Array, loss_mask: jax.Array, lengths, anchors: jax.
     first = take(tokens, anchors.astype(jnp.int32))  # [N, A]
     block_tokens = jnp.where(k == 0, first[..., None], mask_token_id).astype(jnp.int32)
     return block_tokens, positions, labels, label_mask
+
+
+def prefix_range(block_size: int, prefix_min: int = 2, prefix_max: int | None = None) -> tuple[int, int]:
+    """The visible-prefix lengths ``lo .. hi`` a block of ``block_size`` may draw: at most ``B - 1`` (one
+    mask position is left to supervise), at least 1 (the anchor alone: the standard block)."""
+    hi = block_size - 1 if prefix_max is None else min(prefix_max, block_size - 1)
+    return max(1, min(prefix_min, hi)), hi
+
+
+def prefix_pmf(lo: int, hi: int, base: float) -> np.ndarray:
+    """The truncated geometric prior of D2SD: ``Pr(l) = base**l / sum_{j=lo..hi} base**j`` for ``l = lo ..
+    hi`` (float64, for tests and docs)."""
+    w = float(base) ** np.arange(lo, hi + 1, dtype=np.float64)
+    return w / w.sum()
+
+
+def sample_prefix_lengths(row_keys: jax.Array, num_anchors: int, lo: int, hi: int, base: float) -> jax.Array:
+    """``[N, A]`` int32 visible-prefix lengths, i.i.d. from ``prefix_pmf(lo, hi, base)``, row ``i`` from
+    ``row_keys[i]`` alone (a stream apart from the anchors' draw, which uses the same row key)."""
+    logits = jnp.arange(lo, hi + 1, dtype=jnp.float32) * np.float32(np.log(base))
+    draw = jax.vmap(lambda k: jax.random.categorical(jax.random.fold_in(k, 1), logits, shape=(num_anchors,)))
+    return (draw(row_keys) + lo).astype(jnp.int32)
+
+
+def visible_prefix(block_tokens: jax.Array, labels: jax.Array, label_mask: jax.Array, prefix: jax.Array):
+    """The variable-prefix block (D2SD's VP objective): block positions ``1 .. prefix-1`` show their real
+    tokens instead of the mask token and carry no label; only the masked suffix ``k >= prefix`` is supervised.
+
+    ``block_tokens, labels, label_mask [N, A, B]`` from ``block_labels``; ``prefix [N, A]`` (1: the standard
+    block). A position shows its token only where it has a label (inside the sequence and the trained run):
+    past that every later label is off anyway, and the draft never sees a token it could not have been given.
+    Returns ``(block_tokens, label_mask)``; ``labels`` are unchanged (a DFlash2 selector still reads the true
+    predecessor of the first masked position from them).
+    """
+    k = jnp.arange(block_tokens.shape[-1])
+    prefix = prefix[..., None]
+    show = (k >= 1) & (k < prefix) & label_mask
+    return jnp.where(show, labels, block_tokens).astype(block_tokens.dtype), label_mask & (k >= prefix)

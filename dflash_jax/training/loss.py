@@ -173,7 +173,8 @@ _kl_of_logits.defvjp(_kl_forward, _kl_backward)
 
 def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.Array, spec: LossSpec,
                     target_logits: jax.Array | None = None,
-                    selector: tuple[jax.Array, jax.Array] | None = None) -> LossSums:
+                    selector: tuple[jax.Array, jax.Array] | None = None,
+                    prefix: jax.Array | None = None) -> LossSums:
     """``LossSums`` of blocks from the logits of their MASK positions only.
 
     ``draft_logits [..., B-1, V]`` are block positions 1..B-1 (the anchor predicts nothing, so its logits are
@@ -184,6 +185,10 @@ def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.
     The accuracy and acceptance sums count what inference would propose: the argmax, or a DFlash2 draft's
     selector pick given the true predecessor. Up to the first wrong token the chain's predecessor IS the true
     token, so the leading run of correct picks is exactly the block's acceptance by the selector's chain.
+
+    ``prefix [...]`` (``train.loss_mode: variable_prefix``): each block's visible-prefix length ``l`` (its
+    label mask already off below ``l``); the decay restarts there, ``w_k = exp(-(k - l) / gamma)``, and the
+    acceptance metrics count the run from position ``l`` (what re-drafting behind an accepted prefix gets).
     """
     block = labels.shape[-1]
     labels_k, mask_k = labels[..., 1:], label_mask[..., 1:].astype(bool)
@@ -193,6 +198,10 @@ def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.
     if spec.position_weights == "dpace":
         w = dpace_weights(ce, mask_k, spec.dpace_alpha)
         normaliser = jnp.sum(jnp.any(mask_k, axis=-1))
+    elif prefix is not None:
+        k = jnp.arange(1, block, dtype=jnp.float32)
+        w = jnp.where(mask_k, jnp.exp(-(k - prefix[..., None].astype(jnp.float32)) / np.float32(spec.gamma)), 0.0)
+        normaliser = jnp.sum(w)
     else:
         w = jnp.where(mask_k, jnp.asarray(decay_weights(block, spec.gamma)[1:]), 0.0)
         normaliser = jnp.sum(w)
@@ -208,8 +217,14 @@ def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.
         picked_correct = selector[1]
     correct = (picked_correct & mask_k).reshape(-1, block - 1).astype(jnp.float32)
     mask_f = mask_k.reshape(-1, block - 1).astype(jnp.float32)
-    run = jnp.cumprod(correct, axis=1).sum(1)  # leading run of correct predictions from k = 1
-    has_block = mask_f[:, 0]
+    if prefix is None:
+        run = jnp.cumprod(correct, axis=1).sum(1)  # leading run of correct predictions from k = 1
+        has_block = mask_f[:, 0]
+    else:  # the run from the first masked position l: the visible ones count as given, then are taken off
+        first = prefix.reshape(-1, 1) - 1  # index of position l among positions 1..B-1
+        before = jnp.arange(block - 1)[None] < first
+        run = jnp.cumprod(jnp.where(before, 1.0, correct), axis=1).sum(1) - first[:, 0]
+        has_block = jnp.take_along_axis(mask_f, jnp.minimum(first, block - 2), axis=1)[:, 0]
     pad = jnp.zeros((1,), jnp.float32)
     return LossSums(
         weighted_ce=jnp.sum(w * ce), weighted_kl=weighted_kl, weighted_selector=weighted_selector,

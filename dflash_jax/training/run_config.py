@@ -86,6 +86,21 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
                                                "cross-entropy beside the block loss"),
         "anchors": ("random", (str,), "random (fresh distinct anchors every step) or uniform (ablation: "
                                       "non-overlapping blocks end to end)"),
+        "loss_mode": ("standard", (str,), "standard (each block: the anchor, then mask tokens) or variable_prefix "
+                                          "(D2SD, arXiv 2606.04446: each block shows a visible prefix of real "
+                                          "tokens whose length l follows a truncated geometric prior; only the "
+                                          "masked suffix is supervised, the decay restarting at l)"),
+        "prefix_base": (0.9, (float, int), "loss_mode variable_prefix: Pr(l) proportional to prefix_base**l "
+                                           "(below 1 favours short prefixes)"),
+        "prefix_min": (2, (int,), "loss_mode variable_prefix: shortest visible prefix l, the anchor included "
+                                  "(1 admits the standard block)"),
+        "prefix_max": (None, (int,), "loss_mode variable_prefix: longest visible prefix l (default: block_size-1, "
+                                     "leaving one position to supervise)"),
+        "optimizer": ("adamw", (str,), "adamw, or muon (optax's Muon for the draft's weight matrices, AdamW for "
+                                       "norms and the rest; same clipping, warmup and decay)"),
+        "muon_learning_rate": (None, (float, int), "optimizer muon: Muon's peak learning rate (default: "
+                                                   "train.learning_rate; updates are scaled to AdamW's RMS)"),
+        "muon_momentum": (0.95, (float, int), "optimizer muon: Muon's Nesterov momentum"),
         "learning_rate": (6e-4, (float, int), "peak AdamW learning rate"),
         "warmup_ratio": (0.04, (float, int), "share of the steps spent warming up linearly"),
         "min_lr_ratio": (0.0, (float, int), "final learning rate of the cosine decay, relative to the peak"),
@@ -116,7 +131,8 @@ POSITIVE = {"draft.num_layers", "draft.block_size", "draft.intermediate_size", "
             "draft.num_key_value_heads", "draft.head_dim", "draft.conv_kernel_size", "draft.conv_group_size",
             "draft.selector_rank", "draft.selector_top_k", "data.max_length", "train.epochs",
             "train.max_steps", "train.global_batch", "train.accum_steps", "train.num_anchors", "train.anchor_chunk",
-            "train.gamma", "train.kl_temperature", "train.learning_rate", "train.clip_norm", "output.save_every", "output.keep",
+            "train.gamma", "train.kl_temperature", "train.learning_rate", "train.prefix_base", "train.prefix_min",
+            "train.prefix_max", "train.muon_learning_rate", "train.clip_norm", "output.save_every", "output.keep",
             "output.log_every", "output.eval_num_prompts", "output.eval_max_new_tokens", "draft.init_std"}
 NON_NEGATIVE = {"train.selector_weight", "train.warmup_ratio", "train.min_lr_ratio", "train.weight_decay", "output.eval_every", "train.seed"}
 
@@ -183,6 +199,18 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
     if train["uniform_loss"] and train["position_weights"] != "decay":
         raise ConfigError(f"{source}: train.uniform_loss replaces the decay weights; it cannot go with "
                           f"train.position_weights {train['position_weights']}")
+    if train["optimizer"] not in ("adamw", "muon"):
+        raise ConfigError(f"{source}: train.optimizer must be adamw or muon, got {train['optimizer']!r}")
+    if not 0 <= train["muon_momentum"] < 1:
+        raise ConfigError(f"{source}: train.muon_momentum must lie in [0, 1), got {train['muon_momentum']!r}")
+    if train["loss_mode"] not in ("standard", "variable_prefix"):
+        raise ConfigError(f"{source}: train.loss_mode must be standard or variable_prefix, got {train['loss_mode']!r}")
+    if train["loss_mode"] == "variable_prefix" and train["position_weights"] != "decay":
+        raise ConfigError(f"{source}: train.loss_mode variable_prefix restarts the decay weights at the prefix; it "
+                          f"cannot go with train.position_weights {train['position_weights']}")
+    if train["prefix_max"] is not None and train["prefix_max"] < train["prefix_min"]:
+        raise ConfigError(f"{source}: train.prefix_max {train['prefix_max']} is below train.prefix_min "
+                          f"{train['prefix_min']}")
     if train["anchors"] not in ("random", "uniform"):
         raise ConfigError(f"{source}: train.anchors must be random or uniform, got {train['anchors']!r}")
     if out["draft"]["context_injection"] not in (None, *CONTEXT_INJECTIONS):

@@ -25,15 +25,19 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from optax.contrib import MuonDimensionNumbers, muon
 
 from dflash_jax.errors import UserError
 from dflash_jax.models.draft import DraftModel, SharedHead, head_logits, shared_head
 from dflash_jax.models.target import TargetModel
 from dflash_jax.sharding import constrain_batch
-from dflash_jax.training.anchors import block_labels, sample_row_anchors, uniform_anchors
+from dflash_jax.training.anchors import (block_labels, prefix_range, sample_prefix_lengths, sample_row_anchors,
+                                         uniform_anchors, visible_prefix)
 from dflash_jax.precision import with_precision_policy
 from dflash_jax.training.forward import _block_hidden, _context_kv, frozen
 from dflash_jax.training.loss import LossSpec, LossSums, block_loss_sums, kl_share, loss_and_metrics
+
+LOSS_MODES = ("standard", "variable_prefix")
 
 Batch = dict[str, jax.Array]  # tokens [G, L] int32, loss_mask [G, L] bool, lengths [G] int32
 
@@ -57,9 +61,27 @@ class StepConfig:
     position_weights: str = "decay"  # "decay" (the paper's, gamma) or "dpace" (D-PACE, training/loss.py)
     dpace_alpha: float = 0.5
     selector_weight: float = 1.0  # DFlash2 drafts: the selector's cross-entropy beside the block loss
+    loss_mode: str = "standard"  # "standard" (anchor + masks) or "variable_prefix" (D2SD, anchors.visible_prefix)
+    prefix_base: float = 0.9  # variable_prefix: Pr(l) proportional to prefix_base**l (D2SD's and NeMo's 0.9)
+    prefix_min: int = 2  # variable_prefix: shortest visible prefix, the anchor included (clipped to B-1)
+    prefix_max: int | None = None  # variable_prefix: longest visible prefix (None: B-1)
 
     def __post_init__(self):
         self.loss_spec  # validates the loss fields
+        if self.loss_mode not in LOSS_MODES:
+            raise UserError(f"unknown loss_mode {self.loss_mode!r} (known: {', '.join(LOSS_MODES)})")
+        if self.loss_mode == "variable_prefix":
+            if self.position_weights != "decay":
+                raise UserError("loss_mode variable_prefix restarts the decay weights at the prefix; it cannot go "
+                                f"with position_weights {self.position_weights}")
+            if not self.prefix_base > 0:
+                raise UserError(f"prefix_base must be positive, got {self.prefix_base}")
+            if self.prefix_min < 1 or (self.prefix_max is not None and self.prefix_max < self.prefix_min):
+                raise UserError(f"need 1 <= prefix_min <= prefix_max, got {self.prefix_min} and {self.prefix_max}")
+
+    @property
+    def prefix_range(self) -> tuple[int, int]:
+        return prefix_range(self.block_size, self.prefix_min, self.prefix_max)
 
     @property
     def loss_spec(self) -> LossSpec:
@@ -91,7 +113,7 @@ def _target_logits_at(shared: SharedHead, target_hidden: jax.Array, block_positi
 
 
 def _chunk_logits_sums(module: DraftModel, context_kv, target_hidden, block_tokens, block_positions, anchor_valid,
-                       labels, label_mask, shared, spec):
+                       labels, label_mask, shared, spec, prefix=None):
     """Inside ``apply``: one chunk of anchors from block tokens to its ``LossSums`` (mask positions only).
     With ``target_hidden`` the chunk's target logits are formed here too, so the ``[.., B-1, V]`` arrays of
     both models exist for one chunk at a time (and are recomputed in the backward pass, not stored)."""
@@ -105,17 +127,18 @@ def _chunk_logits_sums(module: DraftModel, context_kv, target_hidden, block_toke
     if module.candidate_selector is not None:  # DFlash2: predecessors are the anchor, then the true tokens
         predecessors = jnp.concatenate([block_tokens[..., :1], labels[..., 1:-1]], axis=-1)
         selector = module.candidate_selector.teacher_forced(logits, normed, predecessors, labels[..., 1:])
-    return block_loss_sums(logits, labels, label_mask, spec, target_logits, selector)
+    return block_loss_sums(logits, labels, label_mask, spec, target_logits, selector, prefix)
 
 
 def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, block_tokens: jax.Array,
                     block_positions: jax.Array, anchor_valid: jax.Array, labels: jax.Array, label_mask: jax.Array,
                     shared: SharedHead, spec: LossSpec, anchor_chunk: int,
-                    target_hidden: jax.Array | None = None) -> LossSums:
+                    target_hidden: jax.Array | None = None, prefix: jax.Array | None = None) -> LossSums:
     """``LossSums`` of all packed blocks ``[N, A, B]`` of ``target_features [N, L, n*H]``, ``anchor_chunk``
     anchors at a time under rematerialisation. Equal (to float rounding) to ``dflash_loss`` of
     ``draft_training_logits``, whatever the chunk size. ``target_hidden [N, L, H]`` (the target's final normed
-    hidden states) adds the KL sums against the target's distribution at ``spec.temperature``."""
+    hidden states) adds the KL sums against the target's distribution at ``spec.temperature``; ``prefix
+    [N, A]`` the blocks' visible-prefix lengths under ``loss_mode: variable_prefix``."""
     n, a, b = block_tokens.shape
     chunk = max(1, min(anchor_chunk, a))
     pad = -a % chunk
@@ -124,6 +147,8 @@ def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, 
         block_tokens, block_positions = jnp.pad(block_tokens, widths), jnp.pad(block_positions, widths)
         labels, label_mask = jnp.pad(labels, widths), jnp.pad(label_mask, widths)
         anchor_valid = jnp.pad(anchor_valid, ((0, 0), (0, pad)))
+        if prefix is not None:
+            prefix = jnp.pad(prefix, ((0, 0), (0, pad)), constant_values=1)
     shared = frozen(shared)
     context_kv = jax.tree.map(constrain_batch, model.apply({"params": params}, target_features, method=_context_kv))
     if target_hidden is not None:
@@ -135,11 +160,13 @@ def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, 
     @jax.checkpoint
     def body(total, xs):
         xs = tuple(constrain_batch(x) for x in xs)
-        sums = model.apply({"params": params}, context_kv, target_hidden, *xs, shared, spec,
+        chunk_prefix = xs[5] if len(xs) > 5 else None
+        sums = model.apply({"params": params}, context_kv, target_hidden, *xs[:5], shared, spec, chunk_prefix,
                            method=_chunk_logits_sums)
         return total + sums, None
 
-    xs = tuple(chunks(x) for x in (block_tokens, block_positions, anchor_valid, labels, label_mask))
+    xs = tuple(chunks(x) for x in (block_tokens, block_positions, anchor_valid, labels, label_mask)
+               + (() if prefix is None else (prefix,)))
     total, _ = jax.lax.scan(body, LossSums.zeros(b), xs)
     return total
 
@@ -178,16 +205,20 @@ def batch_loss_sums(draft_params: Any, target_params: Any, batch: Batch, key: ja
     else:
         features = target_features(target, target_params, batch, cfg.feature_layers)
     features = constrain_batch(features)
+    row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, row_index)
     if cfg.anchors == "uniform":
         anchors, valid = uniform_anchors(loss_mask, lengths, cfg.num_anchors, cfg.block_size)
     else:
-        row_keys = jax.vmap(jax.random.fold_in, (None, 0))(key, row_index)
         anchors, valid = sample_row_anchors(row_keys, loss_mask, lengths, cfg.num_anchors)
     block_tokens, block_positions, labels, label_mask = block_labels(
         tokens, loss_mask, lengths, anchors, valid, cfg.block_size, mask_token_id=cfg.mask_token_id)
+    prefix = None
+    if cfg.loss_mode == "variable_prefix":
+        prefix = constrain_batch(sample_prefix_lengths(row_keys, cfg.num_anchors, *cfg.prefix_range, cfg.prefix_base))
+        block_tokens, label_mask = visible_prefix(block_tokens, labels, label_mask, prefix)
     shared = shared_head(target_params, cfg.tied_head)
     return draft_loss_sums(draft, draft_params, features, block_tokens, block_positions, valid, labels, label_mask,
-                           shared, cfg.loss_spec, cfg.anchor_chunk, final)
+                           shared, cfg.loss_spec, cfg.anchor_chunk, final, prefix)
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
@@ -232,19 +263,67 @@ def accumulated_gradients(params: Any, target_params: Any, batch: Batch, key: ja
     return grads, sums
 
 
+OPTIMIZERS = ("adamw", "muon")
+MUON_RMS = 0.2  # Muon's update RMS matched to AdamW's (Moonlight, arXiv 2502.16982), so AdamW's learning rate carries over
+
+
+def _warmup_cosine(peak: float, total_steps: int, warmup_ratio: float, min_lr_ratio: float) -> optax.Schedule:
+    warmup = max(1, int(round(warmup_ratio * total_steps))) if warmup_ratio > 0 else 0
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else peak, peak_value=peak, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=peak * min_lr_ratio)
+
+
+def is_muon_matrix(path: tuple, leaf: Any) -> bool:
+    """Muon takes the draft's Dense kernels (attention and MLP projections, the ``fc`` feature projection, a
+    DFlash2 draft's kernel projections and selector projection); everything else (norm weights, biases, a
+    DFlash2 draft's convolution base kernels and selector codebooks, which are embedding tables) stays with
+    AdamW, as in Muon's own recipe and vLLM speculators'. A kernel with more than two axes is a stack of
+    matrices along its leading axes (layers under ``nn.scan``): each is orthogonalised on its own."""
+    last = path[-1]
+    name = getattr(last, "key", getattr(last, "name", None))
+    return name == "kernel" and getattr(leaf, "ndim", 0) >= 2
+
+
+def muon_dimension_numbers(params: Any) -> Any:
+    """optax's ``MuonDimensionNumbers`` for every Muon leaf (the last two axes: input, output; the leading
+    axes are batch axes, vmapped over) and None for the AdamW leaves."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: MuonDimensionNumbers(x.ndim - 2, x.ndim - 1) if is_muon_matrix(path, x) else None, params)
+
+
 def make_optimizer(learning_rate: float = 6e-4, total_steps: int = 1000, warmup_ratio: float = 0.04,
                    clip_norm: float = 1.0, weight_decay: float = 0.0, b1: float = 0.9, b2: float = 0.999,
-                   min_lr_ratio: float = 0.0, eps: float = 1e-8) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """AdamW with linear warmup then cosine decay and global-norm clipping (SPEC section 6 defaults);
-    returns the optimizer and its learning-rate schedule (for logging)."""
-    warmup = max(1, int(round(warmup_ratio * total_steps))) if warmup_ratio > 0 else 0
-    schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0 if warmup else learning_rate, peak_value=learning_rate, warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1), end_value=learning_rate * min_lr_ratio)
-    return optax.chain(
-        optax.clip_by_global_norm(clip_norm),
-        optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
-    ), schedule
+                   min_lr_ratio: float = 0.0, eps: float = 1e-8, optimizer: str = "adamw",
+                   muon_learning_rate: float | None = None, muon_momentum: float = 0.95,
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Global-norm clipping, then AdamW with linear warmup and cosine decay (SPEC section 6 defaults); returns
+    the optimizer and its learning-rate schedule (for logging).
+
+    ``optimizer="muon"``: optax's Muon (``optax.contrib.muon``: Nesterov momentum ``muon_momentum``, five
+    Newton-Schulz steps with the published coefficients, updates scaled to AdamW's RMS, ``MUON_RMS``) for the
+    matrices of ``is_muon_matrix``, plain AdamW for the rest, both under the same clipping and the same warmup
+    and cosine shape; Muon's peak is ``muon_learning_rate`` (default: ``learning_rate``), weight decay the same.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise UserError(f"unknown optimizer {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
+    schedule = _warmup_cosine(learning_rate, total_steps, warmup_ratio, min_lr_ratio)
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    if optimizer == "adamw":
+        return optax.chain(optax.clip_by_global_norm(clip_norm), adamw), schedule
+    if not 0.0 <= muon_momentum < 1.0:
+        raise UserError(f"muon_momentum must lie in [0, 1), got {muon_momentum}")
+    muon_schedule = _warmup_cosine(learning_rate if muon_learning_rate is None else muon_learning_rate,
+                                   total_steps, warmup_ratio, min_lr_ratio)
+    # Two partitions rather than muon's own AdamW branch: that one is Nesterov-Adam (it shares muon's flag).
+    matrices = muon(muon_schedule, beta=muon_momentum, weight_decay=weight_decay,
+                                  consistent_rms=MUON_RMS, muon_weight_dimension_numbers=muon_dimension_numbers)
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(lambda p, x: "muon" if is_muon_matrix(p, x) else "adamw", params)
+
+    return optax.chain(optax.clip_by_global_norm(clip_norm),
+                       optax.partition({"muon": matrices, "adamw": adamw}, labels)), schedule
 
 
 def make_train_step(target: TargetModel, draft: DraftModel, cfg: StepConfig, optimizer: optax.GradientTransformation,

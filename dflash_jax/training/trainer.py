@@ -53,13 +53,15 @@ def _unused_loss_field(step_cfg: StepConfig, name: str, draft: DraftConfig) -> b
     started before the options existed resume unchanged)."""
     if name == "selector_weight":
         return not draft.dflash2
-    defaults = {"loss": "ce", "position_weights": "decay"}
+    defaults = {"loss": "ce", "position_weights": "decay", "loss_mode": "standard"}
     if name in defaults:
         return getattr(step_cfg, name) == defaults[name]
     if name in ("kl_weight", "temperature"):
         return step_cfg.kl_share == 0.0 or (name == "kl_weight" and step_cfg.loss != "ce+kl")
     if name == "dpace_alpha":
         return step_cfg.position_weights != "dpace"
+    if name in ("prefix_base", "prefix_min", "prefix_max"):
+        return step_cfg.loss_mode != "variable_prefix"
     return False
 
 def compute_dtype(name: str) -> Any:
@@ -235,7 +237,8 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
                           tied_head=target_config.tie_word_embeddings, anchors=t["anchors"], loss=t["loss"],
                           kl_weight=float(t["kl_weight"]), temperature=float(t["kl_temperature"]),
                           position_weights=t["position_weights"], dpace_alpha=float(t["dpace_alpha"]),
-                          selector_weight=float(t["selector_weight"]))
+                          selector_weight=float(t["selector_weight"]), loss_mode=t["loss_mode"],
+                          prefix_base=float(t["prefix_base"]), prefix_min=t["prefix_min"], prefix_max=t["prefix_max"])
     global_batch = t["global_batch"]
     num_rows = len(tokenized)
     epoch_steps = steps_per_run(num_rows, global_batch, t["epochs"])
@@ -244,7 +247,9 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
         raise ConfigError(f"data.train: {num_rows} usable rows x {t['epochs']} epochs do not fill one global batch "
                           f"of {global_batch} (train.global_batch)")
     optimizer, schedule = make_optimizer(t["learning_rate"], total_steps, t["warmup_ratio"], t["clip_norm"],
-                                         t["weight_decay"], min_lr_ratio=t["min_lr_ratio"])
+                                         t["weight_decay"], min_lr_ratio=t["min_lr_ratio"], optimizer=t["optimizer"],
+                                         muon_learning_rate=t["muon_learning_rate"],
+                                         muon_momentum=float(t["muon_momentum"]))
     # What decides the trained model. anchor_chunk and accum_steps only trade memory for time (the loss is
     # the same to float rounding), so a resume on other hardware may change them.
     fingerprint = {
@@ -254,7 +259,9 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
         "data": {"fingerprint": tokenized.fingerprint(), "global_batch": global_batch, "epochs": t["epochs"],
                  "seed": t["seed"]},
         "optimizer": {k: t[k] for k in ("learning_rate", "warmup_ratio", "min_lr_ratio", "weight_decay",
-                                        "clip_norm")} | {"total_steps": total_steps},
+                                        "clip_norm")} | {"total_steps": total_steps}
+                     | ({k: t[k] for k in ("optimizer", "muon_learning_rate", "muon_momentum")}
+                        if t["optimizer"] != "adamw" else {}),  # AdamW runs started before the option resume
         "target": {"config": target_config.to_hf_dict(), "dtype": jnp.dtype(dtype).name},
     }
     if init_params is None:
