@@ -36,6 +36,7 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"[kv]_proj/bias$", ("kv_heads",)),
     (r"o_proj/kernel$", ("heads", "embed")),
     (r"o_proj/bias$", ("embed",)),
+    (r"self_attn/gate_proj/kernel$", ("embed", "heads")),  # Muse Glimmer's output gate, one unit per head dim
     (r"(gate|up)_proj/kernel$", ("embed", "mlp")),
     (r"(gate|up)_proj/bias$", ("mlp",)),
     (r"down_proj/kernel$", ("mlp", "embed")),

@@ -119,6 +119,16 @@ def hf_forward(hf_model, ids):
     return out.logits[0].numpy(), [h[0].numpy() for h in out.hidden_states]
 
 
+def hf_greedy(hf_model, prompt, max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: exactly ``max_new_tokens`` tokens (no early stop)."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor(prompt)[None], max_new_tokens=max_new_tokens, do_sample=False,
+                                min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def batched_forward(config, params, rows, apply=None):
     """Our logits ``[B, T, V]`` and every layer's features ``[B, T, L, H]`` for right-padded ``rows`` (one
     forward, padding marked invalid). ``apply``: ``TargetModel(config).apply`` or a jitted form of it."""

@@ -32,20 +32,24 @@ from dflash_jax.checkpoints.safetensors_io import (
     params_to_tensors,
     save_tensors,
 )
-from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.config import MUSE_GLIMMER_TEXT, TargetConfig
 from dflash_jax.models.gated_deltanet import join_qwen3_next_projections, split_qwen3_next_projections
 from dflash_jax.models.target import TargetModel
 from dflash_jax.precision import resolve_dtype
 
 log = logging.getLogger(__name__)
 
-# Multimodal checkpoints (Qwen3.5/3.6, Gemma 4) keep the language model under this prefix, next to the vision
-# (and audio) towers and the multi-token-prediction head, which a text target does not use.
+# Multimodal checkpoints (Qwen3.5/3.6, Gemma 4, Muse Glimmer) keep the language model under this prefix, next to
+# the vision (and audio) towers and the multi-token-prediction head, which a text target does not use.
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 UNUSED_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token prediction head",
                    "model.vision_tower.": "vision tower", "model.embed_vision.": "vision embedder",
                    "model.vision_embedder.": "vision embedder", "model.audio_tower.": "audio tower",
-                   "model.embed_audio.": "audio embedder"}
+                   "model.embed_audio.": "audio embedder", "model.vision_adapter.": "vision adapter",
+                   "model.vision_projection.": "vision projection"}
+# Families whose only language-model class is multimodal (Muse Glimmer's MuseGlimmerForConditionalGeneration):
+# an export keeps that class's names, the language model under ``model.language_model.``.
+EXPORT_PREFIXES = {MUSE_GLIMMER_TEXT: LANGUAGE_MODEL_PREFIX}
 # Families whose Gated DeltaNet checkpoints fuse the input projections per key head (Qwen3-Next).
 GROUPED_LINEAR_PROJECTIONS = ("qwen3_next",)
 SPLIT_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -146,7 +150,8 @@ def save_target(config: TargetConfig, params: dict, out_dir: str | Path, dtype: 
     if any(is_packed_param(path) for path in experts):
         raise CheckpointError(f"{out_dir}: these params keep MXFP4 experts packed (loaded with mxfp4='packed'); "
                               "load the target with mxfp4='dequantize' to save it")
-    mirror = target_key_of("model.")
+    prefix = EXPORT_PREFIXES.get(config.model_type, "model.")
+    mirror = target_key_of(prefix)
     tensors = params_to_tensors(unflatten({path: leaf for path, leaf in flatten(params).items()
                                            if path not in experts}), lambda path: moe_key(config, mirror(path)),
                                 dtype=dtype)

@@ -1,11 +1,11 @@
 """Target model configuration, parsed from a Hugging Face ``config.json``.
 
 One decoder implementation covers LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss, the hybrid
-Qwen3-Next / Qwen3.5 / Qwen3.6, MiniMax-M2 and Gemma 4's text decoders. A family is a small set of differences
-from the dense decoder: attention flags, a per-layer plan (which layers mix tokens by softmax attention or by
-Gated DeltaNet linear attention, which route through experts, which attend through a sliding window), an
-:class:`ExpertsConfig` and a :class:`GatedDeltaNetConfig`. Each family's reader below (``FAMILIES``) turns
-its Hugging Face fields into those differences. Anything this implementation does not compute exactly is
+Qwen3-Next / Qwen3.5 / Qwen3.6, MiniMax-M2, and Gemma 4's and Muse Glimmer's text decoders. A family is a small
+set of differences from the dense decoder: attention flags, a per-layer plan (which layers mix tokens by softmax
+attention or by Gated DeltaNet linear attention, which route through experts, which attend through a sliding
+window), an :class:`ExpertsConfig` and a :class:`GatedDeltaNetConfig`. Each family's reader below
+(``FAMILIES``) turns its Hugging Face fields into those differences. Anything this implementation does not compute exactly is
 refused with an error that names the file and the field, because a silently different model would break
 losslessness downstream.
 """
@@ -369,6 +369,21 @@ class TargetConfig:
     # router reads the un-normed residual.
     experts_beside_mlp: bool = False
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Muse Glimmer. ``embed_norm``: the looked-up embeddings RMS-normalised without a weight (eps
+    # rms_norm_eps); ``final_norm_plain``: the final norm scales by ``w`` while the layer norms are (1 + w);
+    # ``post_norm_eps``: the eps of the sandwich's post-attention / post-FFN norms (None: rms_norm_eps);
+    # ``qk_norm_weight`` False: q/k norms without a weight; ``query_scale``: q times this after its norm (the
+    # softmax scale stays 1/sqrt(head_dim)); ``attention_gate_proj``: the attention output times
+    # sigmoid(gate_proj(x)) of the layer's normed input before o_proj; ``nope_layers``: layers without RoPE;
+    # ``output_multiplier``: the logits times this before the soft-cap.
+    embed_norm: bool = False
+    final_norm_plain: bool = False
+    post_norm_eps: float | None = None
+    qk_norm_weight: bool = True
+    query_scale: float = 1.0
+    attention_gate_proj: bool = False
+    nope_layers: tuple[int, ...] = ()
+    output_multiplier: float = 1.0
     # Not a checkpoint setting: each KV head is kept this many times in the cache, so that a model with fewer
     # KV heads than the mesh's tensor axis still splits its cache over it (``sharding.kv_replicas``; the
     # engine sets it). The projections are unchanged; the copies are made after them.
@@ -391,6 +406,9 @@ class TargetConfig:
 
     def window(self, i: int) -> int | None:
         return self.layer_windows[i] if self.layer_windows else None
+
+    def has_rope(self, i: int) -> bool:
+        return i not in self.nope_layers
 
     def attention_dims(self, window: int | None) -> tuple[int, int, RopeConfig]:
         """Head size, KV heads and RoPE of the attention layers with this ``window`` (None: the full layers,
@@ -467,6 +485,8 @@ class TargetConfig:
         if self.model_type in GEMMA4_TEXT:
             del out["hidden_act"]
             out.update(_gemma4_to_hf(self))
+        if self.model_type == MUSE_GLIMMER_TEXT:
+            return _muse_glimmer_to_hf(self, out)
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
         e = self.experts
@@ -888,9 +908,84 @@ def _gemma4_to_hf(config: "TargetConfig") -> dict[str, Any]:
     return out
 
 
+# Muse Glimmer's text decoder (Muse-Glimmer-30B; transformers' ``MuseGlimmerTextConfig``).
+MUSE_GLIMMER_TEXT = "muse_glimmer_text"
+# The vision tower written into an exported ``muse_glimmer`` config.json: transformers has no text-only LM class
+# for the family, so an export is a ``MuseGlimmerForConditionalGeneration`` whose (absent) vision weights it
+# initialises; the smallest tower keeps that cheap. Text generation never reads it.
+MUSE_GLIMMER_EXPORT_VISION = {"hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+                              "num_attention_heads": 1, "pos_emb_height": 2, "pos_emb_width": 2}
+
+
+def _muse_glimmer_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """Muse Glimmer's text decoder, from the Qwen3 decoder: a weightless RMSNorm after the embedding lookup (no
+    sqrt(H)); Gemma's four-norm sandwich in (1 + w) form, the post norms with their own ``post_norm_eps``; a
+    final norm in ``w`` form; one weightless q/k RMSNorm per head, q then times ``qk_scale_factor``; the output
+    gated by sigmoid(gate_proj(x)); sliding layers (window ``sliding_window``) and full layers as
+    ``layer_types`` says (default: every 4th counted back from the last is full); no RoPE where
+    ``layer_rope_theta`` is 0 (default: the full layers; a non-zero entry is only a flag: those layers use the
+    global theta, as transformers does); SwiGLU; logits times ``output_multiplier``, then soft-capped."""
+    act = cfg.get("hidden_activation", cfg.get("hidden_act", "silu"))
+    if act != "silu":
+        raise ConfigError(f"{source}: hidden_activation {act!r} is not supported (only 'silu')")
+    types = cfg.get("layer_types")
+    if types is None:  # transformers' default: full iff (L - 1 - i) % 4 == 0, the last layer full
+        types = ["full_attention" if (num_layers - 1 - i) % 4 == 0 else "sliding_attention"
+                 for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"sliding_attention",
+                                                                                  "full_attention"}:
+        raise ConfigError(f"{source}: field 'layer_types' must list 'sliding_attention' or 'full_attention' for "
+                          f"each of the {num_layers} layers, got {types!r}")
+    window = int_field(cfg, "sliding_window", source, 2048)
+    thetas = cfg.get("layer_rope_theta")
+    if thetas is None:
+        nope = tuple(i for i in range(num_layers) if (num_layers - 1 - i) % 4 == 0)
+    elif (not isinstance(thetas, list) or len(thetas) != num_layers
+          or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in thetas)):
+        raise ConfigError(f"{source}: field 'layer_rope_theta' must list a number >= 0 (0: no RoPE) for each of "
+                          f"the {num_layers} layers, got {thetas!r}")
+    else:
+        nope = tuple(i for i, v in enumerate(thetas) if v == 0)
+    cap = float_field(cfg, "final_logit_softcapping", source, 20.0, positive=True)
+    attention_bias = bool_field(cfg, "attention_bias", source, False)
+    eps = float_field(cfg, "rms_norm_eps", source, 1e-5, positive=True, below=1.0)
+    return dict(
+        intermediate_size=require(cfg, "intermediate_size", source),
+        tie_word_embeddings=bool_field(cfg, "tie_word_embeddings", source, False),
+        rms_norm_eps=eps,
+        qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True, qk_norm_weight=False,
+        query_scale=float_field(cfg, "qk_scale_factor", source, 3.87, positive=True),
+        attention_gate_proj=True, embed_norm=True, sandwich_norms=True, zero_centered_norms=True,
+        final_norm_plain=True, norm_weight_in_float32=True,
+        post_norm_eps=float_field(cfg, "post_norm_eps", source, 1e-8, positive=True, below=1.0),
+        layer_windows=tuple(window if t == "sliding_attention" else None for t in types), nope_layers=nope,
+        final_logit_softcapping=cap,
+        output_multiplier=float_field(cfg, "output_multiplier", source, 0.19611613513818404, positive=True),
+    )
+
+
+def _muse_glimmer_to_hf(config: "TargetConfig", text: dict[str, Any]) -> dict[str, Any]:
+    """``TargetConfig.to_hf_dict`` of a Muse Glimmer target: a ``muse_glimmer`` config.json whose
+    ``text_config`` holds the language model (``MUSE_GLIMMER_EXPORT_VISION``: why a vision tower is named)."""
+    text = {k: v for k, v in text.items() if k not in ("architectures", "hidden_act")}
+    text.update(
+        hidden_activation="silu",
+        layer_types=["full_attention" if w is None else "sliding_attention" for w in config.layer_windows],
+        sliding_window=next((w for w in config.layer_windows if w is not None), None),
+        layer_rope_theta=[0 if i in config.nope_layers else config.rope.theta
+                          for i in range(config.num_hidden_layers)],
+        rope_parameters=_rope_parameters(config.rope), qk_scale_factor=config.query_scale,
+        post_norm_eps=config.post_norm_eps, output_multiplier=config.output_multiplier,
+        final_logit_softcapping=config.final_logit_softcapping)
+    return {"architectures": ["MuseGlimmerForConditionalGeneration"], "model_type": "muse_glimmer",
+            "text_config": text, "vision_config": dict(MUSE_GLIMMER_EXPORT_VISION),
+            "out_hidden_size": 4 * MUSE_GLIMMER_EXPORT_VISION["hidden_size"],  # after its 2 x 2 patch merge
+            "projector_hidden_size": MUSE_GLIMMER_EXPORT_VISION["hidden_size"]}
+
+
 # Multimodal checkpoints whose language model is nested under ``text_config`` (the model_type it takes).
 NESTED_TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text",
-                       "gemma4_unified": "gemma4_unified_text"}
+                       "gemma4_unified": "gemma4_unified_text", "muse_glimmer": MUSE_GLIMMER_TEXT}
 
 
 def _text_config(cfg: Mapping[str, Any], source: str) -> tuple[Mapping[str, Any], str]:
@@ -916,11 +1011,13 @@ FAMILIES = {
     "qwen3_moe": _qwen3_moe_family, "gpt_oss": _gpt_oss_family,
     "qwen3_next": _hybrid_family, "qwen3_5_text": _hybrid_family, "qwen3_5_moe_text": _hybrid_family,
     "minimax_m2": _minimax_m2_family, "gemma4_text": _gemma4_family, "gemma4_unified_text": _gemma4_family,
+    MUSE_GLIMMER_TEXT: _muse_glimmer_family,
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
                  "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                  "minimax_m2": "MiniMaxM2ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
-                 "gemma4_unified_text": "Gemma4UnifiedForCausalLM"}
+                 "gemma4_unified_text": "Gemma4UnifiedForCausalLM",
+                 MUSE_GLIMMER_TEXT: "MuseGlimmerForConditionalGeneration"}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

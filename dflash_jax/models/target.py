@@ -1,12 +1,13 @@
 """The target decoder: LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss, the hybrid Qwen3-Next / Qwen3.5 /
-Qwen3.6, MiniMax-M2 and Gemma 4 as one pure Flax module.
+Qwen3.6, MiniMax-M2, Gemma 4 and Muse Glimmer as one pure Flax module.
 
 A family is a set of differences read from its config (``models/config.py``): attention flags (biases, q/k
 norms, sinks, an output gate, partial RoPE, zero-centred norms; Gemma 4's V norm, keys as values, softmax
-scale and full layers of their own shape), each layer's token mixer (softmax attention, with an optional
+scale and full layers of their own shape; Muse Glimmer's weightless q/k norms, scaled queries, gate
+projection and layers without RoPE), each layer's token mixer (softmax attention, with an optional
 window, or a Gated DeltaNet: ``models/gated_deltanet.py``), each layer's FFN (a dense SwiGLU or GeGLU,
 ``models/experts.Experts``, or both side by side) and where the norms sit (before each sublayer, or around
-it as Gemma's sandwich with a stored ``layer_scalar``).
+it as Gemma's and Muse Glimmer's sandwich, with Gemma's stored ``layer_scalar``).
 
 ``TargetModel.apply({'params': p}, tokens, positions, cache=..., feature_layers=(...))`` runs prefill or a
 multi-token extension in one call and returns the logits, the requested layers' hidden features and the new
@@ -46,6 +47,7 @@ class TargetAttention(nn.Module):
     config: TargetConfig
     dtype: Any = jnp.float32
     window: int | None = None  # keys visible iff 0 <= q_pos - k_pos < window
+    rope: bool = True  # False: a NoPE layer (Muse Glimmer's full layers), positions only mask
 
     @nn.compact
     def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None, lengths=None,
@@ -69,6 +71,8 @@ class TargetAttention(nn.Module):
         v = k if cfg.attention_k_eq_v and self.window is None else dense(kv_heads * head_dim, cfg.qkv_bias,
                                                                           "v_proj")(x)
         gate = None
+        if cfg.attention_gate_proj:  # Muse Glimmer: its own projection of the normed layer input, no bias
+            gate = dense(cfg.num_attention_heads * head_dim, False, "gate_proj")(x)
         if gated:
             q, gate = jnp.split(q.reshape(b, t, cfg.num_attention_heads, 2 * head_dim), 2, axis=-1)
             gate = gate.reshape(b, t, -1)
@@ -79,18 +83,22 @@ class TargetAttention(nn.Module):
             v = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, use_weight=False)(v)
         if cfg.qk_norm:
             norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype,  # noqa: E731
-                                        cfg.norm_weight_in_float32, cfg.zero_centered_norms, name=name)
+                                        cfg.norm_weight_in_float32, cfg.zero_centered_norms,
+                                        use_weight=cfg.qk_norm_weight, name=name)
             if cfg.qk_norm_scope == "projection":  # one RMS over all heads (MiniMax-M2), written on the whole
                 # projection: with heads split over the tensor axis, XLA reduces the mean across it
                 q = norm("q_norm")(q.reshape(b, t, -1)).reshape(q.shape)
                 k = norm("k_norm")(k.reshape(b, t, -1)).reshape(k.shape)
             else:
                 q, k = norm("q_norm")(q), norm("k_norm")(k)
+        if cfg.query_scale != 1.0:  # Muse Glimmer's qk_scale_factor: q only, after its norm, in the compute dtype
+            q = q * cfg.query_scale
         rot = cfg.rotary_dim or head_dim  # partial RoPE: the first ``rot`` dims of each head rotate, the rest pass
         inv_freq, scale = rope_inv_freq(rope_config, rot), rope_scale(rope_config)
         rope = lambda a: jnp.concatenate(  # noqa: E731
             [apply_rope(a[..., :rot], positions, inv_freq, scale), a[..., rot:]], axis=-1)
-        q, k = rope(q), rope(k)
+        if self.rope:
+            q, k = rope(q), rope(k)
         if cfg.attention_scale is not None:  # every attention path scales by 1/sqrt(head_dim): fold the rest in q
             q = (q.astype(jnp.float32) * (cfg.attention_scale * head_dim ** 0.5)).astype(q.dtype)
         copies = cfg.kv_copies(kv_heads)
@@ -135,8 +143,10 @@ class DecoderLayer(nn.Module):
         DeltaNet (which reads ``valid`` and the rows' ``lengths`` instead of the attention masks);
         ``new_lengths``: the rows' lengths after this forward."""
         cfg = self.config
-        norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype,  # noqa: E731
-                                    cfg.norm_weight_in_float32, cfg.zero_centered_norms, name=name)
+        norm = lambda name, eps=cfg.rms_norm_eps: RMSNorm(eps, self.dtype, self.dtype,  # noqa: E731
+                                                          cfg.norm_weight_in_float32, cfg.zero_centered_norms,
+                                                          name=name)
+        post_eps = cfg.post_norm_eps or cfg.rms_norm_eps  # Muse Glimmer's sandwich post norms: their own eps
         h = norm("input_layernorm")(x)
         if cfg.is_linear_layer(self.index):
             mixed, new_kv = GatedDeltaNet(cfg.linear_attention, self.dtype, self.dtype, name="linear_attn")(
@@ -144,7 +154,8 @@ class DecoderLayer(nn.Module):
             if cache_kv is None:
                 new_kv = None
         else:
-            mixed, new_kv = TargetAttention(cfg, self.dtype, cfg.window(self.index), name="self_attn")(
+            mixed, new_kv = TargetAttention(cfg, self.dtype, cfg.window(self.index), cfg.has_rope(self.index),
+                                            name="self_attn")(
                 h, positions, mask, cache_kv, slots, live, spans, new_lengths, valid, block_mask)
 
         def ffn(h, residual):
@@ -158,8 +169,8 @@ class DecoderLayer(nn.Module):
             return out
 
         if cfg.sandwich_norms:  # Gemma: each sublayer's output is normed before its residual add
-            x = x + norm("post_attention_layernorm")(mixed)
-            x = x + norm("post_feedforward_layernorm")(ffn(norm("pre_feedforward_layernorm")(x), x))
+            x = x + norm("post_attention_layernorm", post_eps)(mixed)
+            x = x + norm("post_feedforward_layernorm", post_eps)(ffn(norm("pre_feedforward_layernorm")(x), x))
         else:
             x = x + mixed
             x = x + ffn(norm("post_attention_layernorm")(x), x)
@@ -180,7 +191,9 @@ class TargetModel(nn.Module):
         self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
         self.layers = [DecoderLayer(cfg, self.dtype, i) for i in range(cfg.num_hidden_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, cfg.norm_weight_in_float32,
-                            cfg.zero_centered_norms)
+                            cfg.zero_centered_norms and not cfg.final_norm_plain)
+        if cfg.embed_norm:
+            self.embed_norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype, use_weight=False)
         if not cfg.tie_word_embeddings:  # float32 logits (``unembed``)
             self.lm_head = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
                                     dot_general=float32_dot_general)
@@ -189,6 +202,8 @@ class TargetModel(nn.Module):
         x = self.embed_tokens(tokens)
         if self.config.scale_embeddings:  # sqrt(H) as transformers has it: a float32 scalar cast to the dtype
             x = x * jnp.asarray(np.float32(self.config.hidden_size ** 0.5), x.dtype)
+        if self.config.embed_norm:  # Muse Glimmer: a weightless RMSNorm on the rows (drafts read the raw rows)
+            x = self.embed_norm(x)
         return x
 
     def head(self, hidden: jax.Array) -> jax.Array:
@@ -199,12 +214,15 @@ class TargetModel(nn.Module):
         """The output head alone (tied or not), on final-normed hidden states. The logits come out in float32
         whatever the compute dtype (the products accumulate in float32 and are not rounded back): acceptance
         and sampling decide on them, and a bfloat16 argmax flips near-ties that float32 keeps. With
-        ``final_logit_softcapping`` (Gemma 4) they are soft-capped: ``cap * tanh(logits / cap)``."""
+        ``final_logit_softcapping`` (Gemma 4) they are soft-capped: ``cap * tanh(logits / cap)``, after Muse
+        Glimmer's ``output_multiplier``."""
         if self.config.tie_word_embeddings:
             table = self.embed_tokens.embedding
             logits = jnp.einsum("...h,vh->...v", x, table.astype(x.dtype), preferred_element_type=jnp.float32)
         else:
             logits = self.lm_head(x)
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 
