@@ -79,24 +79,51 @@ def regeneration_settings(decoder: Any, tokenizer: Any, examples: Sequence[Examp
 
     template = getattr(tokenizer, "chat_template", None) if use_chat_template else None
     return {
-        "format": FORMAT_VERSION,
-        "data_sha256": examples_fingerprint(examples),
-        "num_examples": len(examples),
+        **common_settings(examples, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                          shard_size=shard_size),
         "target_config_sha256": _sha256_json(dataclasses.asdict(decoder.target_config)),
         "draft": bool(decoder.has_draft),
         "block_size": int(decoder.block_size) if decoder.has_draft else None,
         "dtype": jnp.dtype(decoder.dtype).name,
         "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest() if template else None,
         "enable_thinking": bool(enable_thinking),
+        "stop_tokens": sorted(int(t) for t in stop_tokens),
+        "batch_size": int(batch_size),
+    }
+
+
+def common_settings(examples: Sequence[Example], *, max_new_tokens: int, sampling: SamplingConfig, seed: int,
+                    shard_size: int) -> dict:
+    """The settings every regeneration records, through the engine or a server."""
+    return {
+        "format": FORMAT_VERSION,
+        "data_sha256": examples_fingerprint(examples),
+        "num_examples": len(examples),
         "max_new_tokens": int(max_new_tokens),
         "temperature": float(sampling.temperature),
         "top_k": int(sampling.top_k),
         "top_p": float(sampling.top_p),
-        "stop_tokens": sorted(int(t) for t in stop_tokens),
         "seed": int(seed),
         "shard_size": int(shard_size),
-        "batch_size": int(batch_size),
     }
+
+
+def regeneration_thinking(path: str | Path) -> dict | None:
+    """How the answers of a regeneration output directory were asked for: ``{"enable_thinking": bool,
+    "chat_template_kwargs": {...}}`` from its settings file, or None for data that is not one (a plain JSONL
+    file, or a directory without the file)."""
+    settings_path = Path(path) / REGENERATE_SETTINGS
+    if not settings_path.is_file():
+        return None
+    try:
+        settings = json.loads(settings_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{settings_path}: cannot read ({e})") from None
+    if not isinstance(settings, dict) or not isinstance(settings.get("enable_thinking", False), bool):
+        raise DataError(f"{settings_path}: expected a JSON object whose 'enable_thinking' is true or false")
+    thinking = bool(settings.get("enable_thinking", False))
+    kwargs = settings.get("chat_template_kwargs") or {"enable_thinking": thinking}
+    return {"enable_thinking": thinking, "chat_template_kwargs": kwargs}
 
 
 def prepare_out_dir(out_dir: Path, settings: dict) -> None:
@@ -297,13 +324,7 @@ def regenerate(decoder: Any, tokenizer: Any, examples: Sequence[Example], out_di
                progress: bool = True) -> RegenerateStats:
     """Answer every example with the target and write resumable JSONL shards to ``out_dir`` (see the module
     docstring). Returns the statistics of this run (complete shards found are counted, not re-read)."""
-    for name, value in (("batch_size", batch_size), ("shard_size", shard_size), ("max_new_tokens", max_new_tokens)):
-        if value < 1:
-            raise UserError(f"{name} must be at least 1, got {value}")
-    if seed < 0:
-        raise UserError(f"seed must be non-negative, got {seed}")
-    if not examples:
-        raise DataError("nothing to regenerate: no examples")
+    check_run_args(batch_size, shard_size, max_new_tokens, seed, examples)
     decoder.check_fits([1], max_new_tokens)  # max_new_tokens alone must fit the target's positions
     out_dir = Path(out_dir)
     settings = regeneration_settings(
@@ -312,26 +333,47 @@ def regenerate(decoder: Any, tokenizer: Any, examples: Sequence[Example], out_di
         enable_thinking=enable_thinking)
     prepare_out_dir(out_dir, settings)
 
-    num_shards = -(-len(examples) // shard_size)
-    done = {k for k in range(num_shards) if shard_path(out_dir, k).is_file()}
-    stats = RegenerateStats(examples=len(examples), shards=num_shards, shards_done_before=len(done))
-    initial = sum(len(examples[k * shard_size: (k + 1) * shard_size]) for k in done)
-    bar = _Progress(len(examples), initial, progress)
+    stats, pending, bar = start_shards(examples, out_dir, shard_size, progress)
     start = time.perf_counter()
     try:
-        for k in range(num_shards):
-            if k in done:
-                continue
+        for k in pending:
             part = examples[k * shard_size: (k + 1) * shard_size]
             rows = answer_shard(decoder, tokenizer, part, k, k * shard_size, batch_size=batch_size,
                                 max_new_tokens=max_new_tokens, sampling=sampling, stop_tokens=stop_tokens, seed=seed,
                                 use_chat_template=use_chat_template, enable_thinking=enable_thinking, stats=stats,
                                 progress=bar)
-            with atomic_write(shard_path(out_dir, k)) as f:
-                f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
-            stats.shards_written += 1
-            stats.rows_written += len(rows)
+            write_shard(out_dir, k, rows, stats)
     finally:
         bar.close()
         stats.seconds = time.perf_counter() - start
     return stats
+
+
+def check_run_args(batch_size: int, shard_size: int, max_new_tokens: int, seed: int,
+                   examples: Sequence[Example]) -> None:
+    for name, value in (("batch_size", batch_size), ("shard_size", shard_size), ("max_new_tokens", max_new_tokens)):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
+    if seed < 0:
+        raise UserError(f"seed must be non-negative, got {seed}")
+    if not examples:
+        raise DataError("nothing to regenerate: no examples")
+
+
+def start_shards(examples: Sequence[Example], out_dir: Path, shard_size: int, progress: bool
+                 ) -> tuple[RegenerateStats, list[int], _Progress]:
+    """The statistics, the shards still to write (in order; complete ones are kept, not re-read) and the
+    progress bar of a run into a prepared ``out_dir``: shared by the engine and the server client."""
+    num_shards = -(-len(examples) // shard_size)
+    done = {k for k in range(num_shards) if shard_path(out_dir, k).is_file()}
+    stats = RegenerateStats(examples=len(examples), shards=num_shards, shards_done_before=len(done))
+    initial = sum(len(examples[k * shard_size: (k + 1) * shard_size]) for k in done)
+    return stats, [k for k in range(num_shards) if k not in done], _Progress(len(examples), initial, progress)
+
+
+def write_shard(out_dir: Path, shard: int, rows: Sequence[dict], stats: RegenerateStats) -> None:
+    """One complete shard, atomically: a killed run leaves either the whole shard or none of it."""
+    with atomic_write(shard_path(out_dir, shard)) as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("utf-8"))
+    stats.shards_written += 1
+    stats.rows_written += len(rows)
