@@ -112,6 +112,53 @@ def widths_arg(text: str) -> tuple[int, ...]:
     return widths
 
 
+DEFAULT_TREE_BUDGETS = (8, 16, 32, 64)
+
+
+def tree_arg(text: str) -> int | str:
+    """``--tree``: a number of nodes, or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        nodes = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of nodes or 'auto', got {text!r}") from None
+    if nodes < 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of nodes (or 'auto'), got {text!r}")
+    return nodes
+
+
+def add_tree_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tree", type=tree_arg, default=0, metavar="N|auto",
+                        help="tree verification (DDTree; beyond the paper; off by default): each round the target "
+                             "verifies the N most probable draft prefixes under the draft's per-position "
+                             "distributions (a DFlash2 draft's: under its selector's transition scores) in one "
+                             "forward, instead of the chain, and keeps the longest path it agrees with; the output "
+                             "is unchanged. Costs a verify of N+1 tokens per round: pays where that costs about "
+                             "what the chain's block does (small batches, an accelerator). 'auto': every few rounds "
+                             "the chain or one of --tree-budgets, whichever promises the most tokens per unit of "
+                             "time (CaDDTree's rule on the draft's own probabilities, corrected by what the tree "
+                             "rounds accepted, and each option's round time measured on this device when the "
+                             "program compiles); it stays on the chain where no tree can pay. Attention targets "
+                             "(not yet Gated DeltaNet ones)")
+    parser.add_argument("--tree-budgets", type=widths_arg, default=DEFAULT_TREE_BUDGETS, metavar="N1,N2,...",
+                        help="the tree budgets --tree auto chooses among, beside the chain (default "
+                             f"{','.join(map(str, DEFAULT_TREE_BUDGETS))}; each is one more compiled round)")
+
+
+def tree_settings(args: argparse.Namespace, has_draft: bool, adaptive: tuple[int, ...] = ()) -> dict:
+    """``--tree`` / ``--tree-budgets`` as Decoder fields (``tree_budget``, ``tree_auto``), checked."""
+    tree = getattr(args, "tree", 0)
+    if tree and not has_draft:
+        raise UsageError("--tree needs a draft (--ckpt)")
+    if tree and adaptive:
+        raise UsageError("--tree and --adaptive cannot be combined")
+    budgets = tuple(getattr(args, "tree_budgets", DEFAULT_TREE_BUDGETS))
+    if tree != "auto" and budgets != DEFAULT_TREE_BUDGETS:
+        raise UsageError("--tree-budgets needs --tree auto")
+    return {"tree_budget": 0, "tree_auto": budgets} if tree == "auto" else {"tree_budget": tree, "tree_auto": ()}
+
+
 def add_attention_arg(parser: argparse.ArgumentParser) -> None:
     from dflash_jax.models.attention_kernels import ATTENTION_KERNELS
 

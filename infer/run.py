@@ -15,12 +15,15 @@ import jax
 from dflash_jax.checkpoints.hub import resolve_checkpoint
 from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer, tokenizer_dir
 from dflash_jax.engine.decoder import Decoder, decode_continuation, encode_conversation, stop_tokens_of
+from dflash_jax.engine.adaptive import tree_budget_summary
 from dflash_jax.engine.generate import GenerationResult
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.evaluation.prompts import read_prompt_file
+from dflash_jax.evaluation.thinking import warn_thinking_mismatch
 from dflash_jax.models.attention_kernels import check_attention_kernel
 from infer.cli import (
-    Parser, UsageError, add_attention_arg, add_device_args, run_cli, seed_arg, setup_devices, text_arg, widths_arg,
+    Parser, UsageError, add_attention_arg, add_device_args, add_tree_args, run_cli, seed_arg, setup_devices, text_arg,
+    tree_settings, widths_arg,
 )
 
 PROG = "python -m infer"
@@ -62,14 +65,7 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
                              "device when the program compiles), e.g. 1,2,4 with a block-8 draft (1: plain "
                              "autoregressive rounds, no draft forward, with occasional probes); the output is "
                              "unchanged")
-    parser.add_argument("--tree", type=int, default=0, metavar="N",
-                        help="tree verification (DDTree; beyond the paper; off by default): each round the target "
-                             "verifies the N most probable draft prefixes under the draft's per-position "
-                             "distributions in one forward, instead of the argmax chain, and keeps the longest "
-                             "path it agrees with; the output is unchanged. Costs a verify of N+1 tokens per "
-                             "round: pays where that costs about what the chain's block does (small batches, an "
-                             "accelerator). Attention targets with DFlash drafts (not yet Gated DeltaNet "
-                             "targets or DFlash2 selectors)")
+    add_tree_args(parser)
     parser.add_argument("--draft-window", type=int, metavar="N",
                         help="bound every draft layer's context to the last N positions before each query (beyond "
                              "the official code; default: the draft's own layers, sliding ones keep their window): "
@@ -121,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also run plain autoregressive decoding on the same engine and report the speedup")
     parser.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                         help="feed the raw prompt text instead of the tokenizer's chat template")
+    parser.add_argument("--thinking", action="store_true",
+                        help="render the chat template with enable_thinking=True (Qwen3 thinking on; default off); "
+                             "a draft whose metadata says it was trained in the other mode gets a warning")
     parser.add_argument("--stream", action="store_true", help="print tokens as they are committed (batch of 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON document with all results instead of text")
     return parser
@@ -167,16 +166,10 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
     draft_window = getattr(args, "draft_window", None)
     if draft_window is not None and draft_config is None:
         raise UsageError("--draft-window needs a draft (--ckpt)")
-    tree = getattr(args, "tree", 0)
-    if tree < 0:
-        raise UsageError(f"--tree must be a positive number of nodes, got {tree}")
-    if tree and draft_config is None:
-        raise UsageError("--tree needs a draft (--ckpt)")
-    if tree and adaptive:
-        raise UsageError("--tree and --adaptive cannot be combined")
+    tree = tree_settings(args, draft_config is not None, adaptive)
     decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype, mesh,
                       adaptive, attention=getattr(args, "attention", "auto"), draft_window=draft_window,
-                      tree_budget=tree)
+                      **tree)
     # EOS ids come from the target's own generation config, whichever tokenizer directory is used.
     return decoder, tokenizer, stop_tokens_of(target_config, tokenizer, tokenizer_dir(target_path))
 
@@ -233,7 +226,11 @@ def generate_main(args: argparse.Namespace) -> int:
         raise UsageError("--stream needs exactly one prompt")
     sampling = sampling_of(args)
     decoder, tokenizer, stops = load_decoder(args, need_draft=not args.baseline)
-    ids = [encode_conversation(tokenizer, [{"role": "user", "content": p}], args.chat_template) for p in prompts]
+    if prompts and args.ckpt:
+        warn_thinking_mismatch(resolve_checkpoint(args.ckpt, args.ckpt_revision, "--ckpt"), tokenizer,
+                               args.chat_template, args.thinking)
+    ids = [encode_conversation(tokenizer, [{"role": "user", "content": p}], args.chat_template, args.thinking)
+           for p in prompts]
     ids += id_prompts
     prompts += [f"ids:{','.join(map(str, p))}" for p in id_prompts]
 
@@ -255,6 +252,8 @@ def generate_main(args: argparse.Namespace) -> int:
         return 0
     main_result = dflash or baseline
     summary = summarize(dflash, baseline)
+    if dflash is not None and decoder.tree_auto:
+        summary["dflash"]["tree_auto"] = tree_budget_summary(dflash.widths)
     rows = []
     for i, p in enumerate(prompts):
         row = {"prompt": p, "text": decode_continuation(tokenizer, ids[i], main_result.tokens[i]),
@@ -304,6 +303,11 @@ def format_summary(summary: dict) -> str:
             tau = f", tau {s['tau']:.2f}" if name == "dflash" else ""
             lines.append(f"{name:8s}: {s['tokens']} tokens, {s['tokens_per_s']:.1f} tok/s decode "
                          f"({s['decode_s']:.3f} s), prefill {s['prefill_s']:.3f} s{tau}")
+            if "tree_auto" in s:
+                t = s["tree_auto"]
+                lines.append(f"tree    : auto, mean budget {t['mean_budget']:.1f} nodes per round, the chain in "
+                             f"{100 * t['chain_share']:.0f}% of rounds (rounds per budget, 0 = chain: "
+                             f"{t['rounds_per_budget']})")
     if summary.get("speedup") is not None:
         lines.append(f"speedup : {summary['speedup']:.2f}x (decode tokens/s, DFlash vs baseline, same engine)")
     return "\n".join(lines)

@@ -190,3 +190,132 @@ def calibrate(widths: tuple[int, ...], run_rounds: Callable[[int], tuple[float, 
 def rounds_per_width(widths: Iterable[Iterable[int]]) -> dict[int, int]:
     """How many rounds ran at each verify width, from per-row (or per-answer) width logs."""
     return dict(sorted(Counter(int(w) for row in widths for w in row).items()))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tree budget (``--tree auto``, engine/tree.py): the chain or one of a few tree budgets, chosen per phase
+#
+# The options are the chain (index 0) and the tree budgets (ascending). A choice holds for a phase of
+# DRAFT_PHASE rounds, each option running its own ``lax.while_loop`` (zero rounds unless chosen), as for the
+# widths above. The rule is CaDDTree's (SPEC 12.5): the most expected tokens per unit of round time,
+# ``(1 + Phi(n)) / cost(n)`` with ``Phi(n)`` the draft's probability mass of the budget-``n`` tree
+# (``tree.prefix_mass``; the chain's is ``tree.spine_mass``), but evaluated once per phase on decayed
+# averages rather than every round: building the largest tree every round only to decide costs, on a small
+# model, more than a chain round (on the shipped CPU pair a tree round costs ~3 chain rounds).
+#
+# - Tree rounds observe the surrogate of every option up to their budget (truncations of their own tree) and
+#   the tokens they committed; ``alpha`` = observed / predicted tokens (decayed) corrects the draft's
+#   over- or under-confidence and scales every option's surrogate.
+# - Chain rounds observe only their committed tokens. After chain phases a one-round probe at the largest
+#   budget refreshes the surrogates, every ``gap`` chain phases: 1, doubled after each probe that went back
+#   to the chain (up to TREE_MAX_GAP), reset when a tree is chosen.
+# - A budget that cannot pay even if every round accepted a whole block (``block / cost(n)`` below the
+#   chain's observed tokens per unit of time) is never probed: where a tree round costs several chain rounds
+#   (small models, CPUs) the decode stays a chain at the cost of its phase bookkeeping alone.
+#
+# Lossless: every option verifies losslessly, and the choice depends only on drafts and committed tokens.
+
+TREE_MAX_GAP = 16
+
+
+class TreePolicy(NamedTuple):
+    """What the tree budget choice carries from phase to phase (the loop state's ``policy``)."""
+
+    costs: jax.Array  # [O] relative time of a round of each option (the chain, then the budgets)
+    forced: jax.Array  # option every phase must use (calibration), -1 = choose
+    last: jax.Array  # option of the last phase, -1 before the first
+    chain: jax.Array  # [2] decayed (rounds, committed tokens per row) of chain rounds
+    surrogate: jax.Array  # [2, O] decayed (rounds, 1 + Phi per row) of each option, from tree rounds
+    calibration: jax.Array  # [2] decayed (committed tokens, 1 + Phi of the option run) per row, tree rounds
+    gap: jax.Array  # chain phases between probes
+    chain_phases: jax.Array  # chain phases since the last tree round
+    probing: jax.Array  # the last phase was a probe
+
+
+def tree_options(budgets: tuple[int, ...]) -> tuple[int, ...]:
+    """The options of ``--tree auto``: 0 (the chain), then the budgets ascending."""
+    return (0,) + tuple(sorted(set(budgets)))
+
+
+def initial_tree_policy(num_options: int) -> TreePolicy:
+    return TreePolicy(costs=jnp.ones((num_options,), jnp.float32), forced=jnp.int32(-1), last=jnp.int32(-1),
+                      chain=jnp.zeros((2,), jnp.float32), surrogate=jnp.zeros((2, num_options), jnp.float32),
+                      calibration=jnp.zeros((2,), jnp.float32), gap=jnp.int32(1), chain_phases=jnp.int32(0),
+                      probing=jnp.bool_(False))
+
+
+def _row_mean(x: jax.Array, active: jax.Array) -> jax.Array:
+    rows = jnp.maximum(jnp.sum(active), 1)
+    return jnp.sum(jnp.where(active.reshape(active.shape + (1,) * (x.ndim - 1)), x, 0), axis=0) / rows
+
+
+def observe_chain(policy: TreePolicy, accepted: jax.Array, active: jax.Array) -> TreePolicy:
+    """A chain round: its committed tokens per row (accepted drafts + 1)."""
+    mean = _row_mean((accepted + 1).astype(jnp.float32), active)
+    chain = jnp.where(active.any(), DECAY * policy.chain + jnp.stack([1.0, mean]), policy.chain)
+    return policy._replace(chain=chain)
+
+
+def observe_tree(policy: TreePolicy, accepted: jax.Array, expected: jax.Array, option: int,
+                 active: jax.Array) -> TreePolicy:
+    """A tree round of option ``option``: ``expected [R, O]`` is each row's ``1 + Phi`` of every option this
+    round's tree covers (NaN where it does not: the budgets above its own)."""
+    known = jnp.isfinite(expected[0])
+    mean = _row_mean(jnp.where(jnp.isfinite(expected), expected, 0.0), active)
+    tokens = _row_mean((accepted + 1).astype(jnp.float32), active)
+    update = active.any() & known
+    surrogate = jnp.where(update[None], DECAY * policy.surrogate + jnp.stack([jnp.ones_like(mean), mean]),
+                          policy.surrogate)
+    calibration = jnp.where(active.any(), DECAY * policy.calibration + jnp.stack([tokens, mean[option]]),
+                            policy.calibration)
+    return policy._replace(surrogate=surrogate, calibration=calibration)
+
+
+def tree_rates(policy: TreePolicy, options: tuple[int, ...], block: int) -> tuple[jax.Array, jax.Array]:
+    """``(tokens per unit of time [O], known [O])``: the expected committed tokens of a round of each option
+    over its cost. The chain's from its observed rounds (else its surrogate); a tree's from its surrogate
+    times the calibration, capped at what a round can commit (``min(block, budget + 1)``)."""
+    alpha = jnp.where(policy.calibration[1] > 0, policy.calibration[0] / jnp.maximum(policy.calibration[1], 1e-6), 1.0)
+    seen = policy.surrogate[0] > 0
+    predicted = alpha * policy.surrogate[1] / jnp.maximum(policy.surrogate[0], 1e-6)
+    cap = jnp.asarray([block] + [min(block, b + 1) for b in options[1:]], jnp.float32)
+    tokens = jnp.minimum(predicted, cap)
+    chain_seen = policy.chain[0] > 0
+    tokens = tokens.at[0].set(jnp.where(chain_seen, policy.chain[1] / jnp.maximum(policy.chain[0], 1e-6), tokens[0]))
+    known = seen.at[0].set(chain_seen | seen[0])
+    return tokens / policy.costs, known
+
+
+def next_tree_phase(policy: TreePolicy, options: tuple[int, ...], block: int
+                    ) -> tuple[jax.Array, jax.Array, TreePolicy]:
+    """``(option index, rounds, policy)`` of the next phase (see the section comment above)."""
+    rate, known = tree_rates(policy, options, block)
+    cap = jnp.asarray([min(block, b + 1) for b in options[1:]], jnp.float32)
+    # A budget is hopeless when a round committing all it can would still lose to the chain as observed.
+    hopeful = jnp.where(known[0], cap / policy.costs[1:] > rate[0], True)
+    candidates = jnp.concatenate([jnp.ones((1,), bool), hopeful & known[1:]])
+    best = jnp.argmax(jnp.where(candidates, rate, -jnp.inf)).astype(jnp.int32)
+    largest = jnp.int32(len(options) - 1) - jnp.argmax(hopeful[::-1]).astype(jnp.int32)
+    after_tree = policy.last > 0
+    # After chain phases (and at the start, which opens with a chain phase to observe it): chain until a probe
+    # is due, then one round at the largest hopeful budget.
+    completed = jnp.where(policy.last == 0, policy.chain_phases + 1, 0)  # chain phases since a tree round
+    probe = (policy.last == 0) & (completed >= policy.gap) & hopeful.any()
+    choice = jnp.where(after_tree, best, jnp.where(probe, largest, 0))
+    failed = policy.probing & (choice == 0)
+    gap = jnp.where(failed, jnp.minimum(2 * policy.gap, TREE_MAX_GAP), jnp.where(after_tree & (choice > 0), 1, policy.gap))
+    chain_phases = jnp.where(choice == 0, completed, 0)
+    rounds = jnp.where(probe, PROBE_PHASE, DRAFT_PHASE).astype(jnp.int32)
+    forced = policy.forced >= 0
+    choice = jnp.where(forced, policy.forced, choice)
+    return choice, rounds, policy._replace(gap=gap, chain_phases=chain_phases, probing=probe & ~forced)
+
+
+def tree_budget_summary(budgets: Iterable[Iterable[int]]) -> dict:
+    """``--tree auto``'s choices from per-row budget logs (0: a chain round): rounds per budget, the share of
+    chain rounds and the mean budget over all rounds (a chain round counting 0 nodes)."""
+    counts = rounds_per_width(budgets)
+    total = sum(counts.values())
+    return {"rounds_per_budget": {str(b): n for b, n in counts.items()},
+            "chain_share": counts.get(0, 0) / total if total else float("nan"),
+            "mean_budget": sum(b * n for b, n in counts.items()) / total if total else float("nan")}

@@ -57,24 +57,32 @@ class DecodeSettings:
     # exact top-``tree_budget`` set; 1 gives the chain of the argmaxes).
     tree_budget: int = 0
     tree_candidates: int = 0
+    # ``--tree auto`` (engine/adaptive.py, "Tree budget"): each phase of rounds verifies the chain or a tree of
+    # one of these budgets, whichever promises the most tokens per unit of time (the rounds' costs measured on
+    # the device when the program is compiled, or ``width_costs``: the chain's, then each budget's).
+    tree_auto: tuple[int, ...] = ()
 
     def __post_init__(self):
         check_attention_kernel(self.attention)
         if self.tree_budget < 0 or self.tree_candidates < 0:
             raise UserError(f"tree budget and candidates must be >= 0, got {self.tree_budget} and "
                             f"{self.tree_candidates}")
-        if self.tree_candidates and not self.tree_budget:
+        if self.tree_candidates and not (self.tree_budget or self.tree_auto):
             raise UserError("tree_candidates needs a tree_budget")
-        if self.tree_budget and self.adaptive_widths:
+        if (self.tree_budget or self.tree_auto) and self.adaptive_widths:
             raise UserError("a tree budget and adaptive widths cannot be combined (choose one)")
+        if self.tree_budget and self.tree_auto:
+            raise UserError("a fixed tree budget and tree_auto budgets cannot be combined (choose one)")
+        if any(b < 1 for b in self.tree_auto) or list(self.tree_auto) != sorted(set(self.tree_auto)):
+            raise UserError(f"tree_auto must be increasing positive budgets, got {self.tree_auto}")
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.prefill_chunk < 1:
             raise UserError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if any(w < 1 for w in self.adaptive_widths) or list(self.adaptive_widths) != sorted(set(self.adaptive_widths)):
             raise UserError(f"adaptive_widths must be increasing positive widths, got {self.adaptive_widths}")
-        if self.width_costs and not self.adaptive_widths:
-            raise UserError("width_costs needs adaptive_widths")
+        if self.width_costs and not (self.adaptive_widths or self.tree_auto):
+            raise UserError("width_costs needs adaptive_widths or tree_auto")
         if any(not (np.isfinite(c) and c > 0) for c in self.width_costs):
             raise UserError(f"width_costs must be positive, got {self.width_costs}")
 
@@ -82,11 +90,11 @@ class DecodeSettings:
 def verify_span(settings: DecodeSettings, block: int) -> int:
     """The widest block a round writes past a row's length: the draft block, or a tree's root plus nodes.
     Caches hold this many slots of speculation, rings this many past their window."""
-    return max(block, settings.tree_budget + 1)
+    return max(block, settings.tree_budget + 1, max(settings.tree_auto, default=0) + 1)
 
 
 def check_tree(settings: DecodeSettings, target_config: TargetConfig, proposer) -> None:
-    if not settings.tree_budget:
+    if not (settings.tree_budget or settings.tree_auto):
         return
     if not hasattr(proposer, "candidates") or proposer.block_size < 2:
         raise UserError("tree verification needs a draft (a proposer with per-position candidates)")
@@ -110,9 +118,10 @@ class LoopState(NamedTuple):
     drafts: jax.Array  # [B, max_new, K] proposals per round (or [B, 1, K] when not recorded)
     step: jax.Array  # scalar round counter
     prefill_finite: jax.Array  # [B] the prefill's logits were all finite (checked once, on the host)
-    # Adaptive widths (engine/adaptive.py); unused by fixed-block decoding.
-    widths: jax.Array  # [B, max_new] verify width of each round (adaptive widths; else [B, 1])
-    policy: adaptive.Policy  # what the width choice carries from phase to phase
+    # Adaptive widths and tree budgets (engine/adaptive.py); unused by fixed-block decoding.
+    widths: jax.Array  # [B, max_new] per round: verify width (adaptive widths) or tree budget (0: chain; tree
+    #                    auto); else [B, 1]
+    policy: Any  # adaptive.Policy, or adaptive.TreePolicy (tree auto): carried from phase to phase
 
 
 def _is_stop(tokens: jax.Array, stop_tokens: tuple[int, ...]) -> jax.Array:
@@ -197,8 +206,10 @@ def prefill(
         accept=jnp.zeros((b, settings.max_new_tokens), jnp.int32),
         drafts=jnp.zeros((b, rec, block - 1), jnp.int32), step=jnp.zeros((), jnp.int32),
         prefill_finite=jnp.all(jnp.isfinite(out.logits[:, 0]), axis=-1),
-        widths=jnp.zeros((b, settings.max_new_tokens if settings.adaptive_widths else 1), jnp.int32),
-        policy=adaptive.initial_policy(block, len(adaptive.verify_widths(settings.adaptive_widths, block))),
+        widths=jnp.zeros((b, settings.max_new_tokens if settings.adaptive_widths or settings.tree_auto else 1),
+                         jnp.int32),
+        policy=(adaptive.initial_tree_policy(len(adaptive.tree_options(settings.tree_auto))) if settings.tree_auto
+                else adaptive.initial_policy(block, len(adaptive.verify_widths(settings.adaptive_widths, block)))),
     )
 
 
@@ -265,6 +276,8 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
     if settings.adaptive_widths:
         policy = adaptive.observe(policy, a, width, active)
         widths = s.widths.at[jnp.arange(b), s.rounds].set(jnp.where(active, width, 0), mode="drop")
+    if settings.tree_auto:  # a chain round of --tree auto (its budget logged as 0)
+        policy = adaptive.observe_chain(policy, a, active)
     s = s._replace(key=key, cache=cache, proposer=pstate, ctx=ctx, widths=widths, policy=policy)
     return _emit(s, settings, new_tokens, a, nxt, drafts)
 
@@ -300,15 +313,16 @@ def _emit(s: LoopState, settings: DecodeSettings, new_tokens: jax.Array, a: jax.
 
 
 def tree_round(target_config: TargetConfig, proposer, settings: DecodeSettings, target_params: dict,
-               proposer_consts: Any, s: LoopState, dtype: Any = jnp.float32) -> LoopState:
+               proposer_consts: Any, s: LoopState, dtype: Any = jnp.float32, budget: int | None = None) -> LoopState:
     """One round of tree verification (SPEC section 12): the draft's forward gives each block position's
     candidates, ``engine/tree.build_tree`` the ``tree_budget`` most probable prefixes, the target verifies root
     and nodes in one forward (each node at position ``start + depth``, written at slot ``start + index``,
     seeing the context, its ancestors and itself), the walk keeps the deepest node whose whole path the target
     agrees with, and the commit moves that path's keys and values into place (``KVCache.commit_path``). The
-    draft reads the accepted path's features next round, as after a chain."""
+    draft reads the accepted path's features next round, as after a chain. ``budget``: ``--tree auto``'s
+    option for this phase (else ``settings.tree_budget``)."""
     block = proposer.block_size
-    budget = settings.tree_budget
+    budget = budget or settings.tree_budget
     active = ~s.done
     if settings.sampling.greedy:
         key = k_accept = s.key
@@ -332,7 +346,15 @@ def tree_round(target_config: TargetConfig, proposer, settings: DecodeSettings, 
         ctx = (jnp.take_along_axis(verify.features, acc.path[:, :, None], axis=1),
                s.start[:, None] + jnp.arange(block, dtype=jnp.int32)[None],
                (jnp.arange(block)[None] <= a[:, None]) & active[:, None])
-    s = s._replace(key=key, cache=cache, proposer=pstate, ctx=ctx)
+    policy, widths = s.policy, s.widths
+    if settings.tree_auto:  # what this tree predicted for every option up to its budget, and what it committed
+        options = adaptive.tree_options(settings.tree_auto)
+        mass = tree_lib.prefix_mass(trees)  # [R, budget]
+        expected = jnp.stack([1.0 + tree_lib.spine_mass(offer)] + [
+            1.0 + mass[:, n - 1] if n <= budget else jnp.full_like(mass[:, 0], jnp.nan) for n in options[1:]], axis=1)
+        policy = adaptive.observe_tree(policy, a, expected, options.index(budget), active)
+        widths = s.widths.at[jnp.arange(a.shape[0]), s.rounds].set(jnp.where(active, budget, 0), mode="drop")
+    s = s._replace(key=key, cache=cache, proposer=pstate, ctx=ctx, policy=policy, widths=widths)
     return _emit(s, settings, acc.tokens, a, acc.next_token, offer.tokens[:, :, 0])
 
 
@@ -346,14 +368,30 @@ def decode_loop(target_config: TargetConfig, proposer, settings: DecodeSettings,
     def cond(s: LoopState):
         return (~jnp.all(s.done)) & (s.step < jnp.minimum(step_limit, settings.max_new_tokens))
 
+    tree_ = functools.partial(tree_round, target_config, proposer, settings, target_params, proposer_consts,
+                              dtype=dtype)
     if settings.tree_budget:
-        return jax.lax.while_loop(cond, functools.partial(
-            tree_round, target_config, proposer, settings, target_params, proposer_consts, dtype=dtype), state)
+        return jax.lax.while_loop(cond, tree_, state)
     round_ = functools.partial(decode_round, target_config, proposer, settings, target_params, proposer_consts,
                                dtype=dtype)
+    block = proposer.block_size
+    if settings.tree_auto:
+        options = adaptive.tree_options(settings.tree_auto)
+
+        def tree_phase(s: LoopState) -> LoopState:
+            # As the adaptive widths' phases: one while_loop per option, all but the chosen one for zero rounds.
+            choice, rounds, policy = adaptive.next_tree_phase(s.policy, options, block)
+            s = s._replace(policy=policy)
+            for index, budget in enumerate(options):
+                one = round_ if budget == 0 else functools.partial(tree_, budget=budget)
+                s, _ = jax.lax.while_loop(
+                    lambda c, n=jnp.where(choice == index, rounds, 0): cond(c[0]) & (c[1] < n),
+                    lambda c, one=one: (one(c[0]), c[1] + 1), (s, jnp.int32(0)))
+            return s._replace(policy=s.policy._replace(last=choice))
+
+        return jax.lax.while_loop(cond, tree_phase, state)
     if not settings.adaptive_widths:
         return jax.lax.while_loop(cond, round_, state)
-    block = proposer.block_size
     widths = adaptive.verify_widths(settings.adaptive_widths, block)
 
     def file_context(s: LoopState) -> LoopState:
@@ -426,8 +464,9 @@ class GenerationResult:
     decode_s: float  # wall time of the decode loop program (no compilation)
     compile_s: float
     drafts: list[np.ndarray] | None = None  # per row [rounds, K] when recorded
-    widths: list[list[int]] | None = None  # per row, verify width of every round (adaptive widths only)
-    width_costs: list[float] | None = None  # relative round time of each verify width the choice used
+    # per row, every round's verify width (adaptive widths) or tree budget (tree auto; 0: the chain)
+    widths: list[list[int]] | None = None
+    width_costs: list[float] | None = None  # relative round time of each width or option the choice used
 
     @property
     def num_tokens(self) -> int:
@@ -592,14 +631,18 @@ def executables(target_config: TargetConfig, target_params: dict, proposer, prop
 
 def _width_costs(pre_c: Any, loop_c: Any, target_params: dict, proposer_inputs: tuple[Any, Any],
                  settings: DecodeSettings, block: int, batch: PaddedBatch, key: jax.Array) -> np.ndarray | None:
-    """Relative round cost of each adaptive verify width: given, or timed on this batch with the compiled
-    loop itself (each width forced in turn), so the costs are those of this device and program."""
-    if not settings.adaptive_widths:
+    """Relative round cost of each adaptive verify width (or ``--tree auto`` option: the chain, then each
+    budget): given, or timed on this batch with the compiled loop itself (each forced in turn), so the costs
+    are those of this device and program."""
+    if settings.tree_auto:
+        widths, what = adaptive.tree_options(settings.tree_auto), "option (the chain, then each tree budget)"
+    elif settings.adaptive_widths:
+        widths, what = adaptive.verify_widths(settings.adaptive_widths, block), "verify width"
+    else:
         return None
-    widths = adaptive.verify_widths(settings.adaptive_widths, block)
     if settings.width_costs:
         if len(settings.width_costs) != len(widths):
-            raise UserError(f"width_costs needs one cost per verify width {widths}, got {settings.width_costs}")
+            raise UserError(f"width_costs needs one cost per {what} {widths}, got {settings.width_costs}")
         return np.asarray(settings.width_costs, np.float32)
     consts, pstate = proposer_inputs
 
@@ -653,7 +696,7 @@ def _result(state: LoopState, settings: DecodeSettings, prefill_s: float, decode
     out, num_out, rounds, accept = (to_host(x) for x in (state.out, state.num_out, state.rounds, state.accept))
     rows = range(out.shape[0])
     drafts = to_host(state.drafts) if settings.record_drafts else None
-    widths = to_host(state.widths) if settings.adaptive_widths else None
+    widths = to_host(state.widths) if settings.adaptive_widths or settings.tree_auto else None
     return GenerationResult(
         tokens=[out[i, : num_out[i]].tolist() for i in rows],
         accept_lengths=[accept[i, : rounds[i]].tolist() for i in rows],

@@ -347,3 +347,36 @@ def accept_sampling_rows(trees: Tree, target_logits: jax.Array, key: jax.Array, 
         return accept_greedy_rows(trees, target_logits)
     keys = jax.random.split(key, target_logits.shape[0])
     return jax.vmap(lambda t, lg, k: accept_sampling_tree(t, lg, k, cfg))(trees, target_logits, keys)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Expected acceptance under the draft's own distributions (the budget choice of ``--tree auto``)
+
+
+def prefix_mass(trees: Tree) -> jax.Array:
+    """``[..., B]``: entry ``n - 1`` is ``Phi(n)``, the draft's probability of the first ``n`` nodes' prefixes
+    summed. A node is accepted exactly when its whole prefix is the target's, so if the draft's distributions
+    were the target's, ``Phi(n)`` would be the expected accepted drafts of the budget-``n`` tree (CaDDTree's
+    surrogate, SPEC 12.5); the first ``n`` nodes of ``build_tree``'s order ARE the budget-``n`` tree (the
+    top-``n`` set, every parent first)."""
+    mass = jnp.where(trees.valid, jnp.exp(trees.scores), 0.0)[..., 1:]
+    return jnp.cumsum(mass, axis=-1)
+
+
+def spine_mass(candidates: Candidates) -> jax.Array:
+    """``[R]``: the same surrogate for the chain (one candidate per position, each the most probable given the
+    one before: rank 0 of independent marginals, or a DFlash2 selector's greedy walk over its transitions):
+    the sum over depths of the chain prefix's draft probability."""
+    if candidates.transitions is None:
+        steps = candidates.log_probs[..., 0].astype(jnp.float32)  # [R, D]
+    else:
+        t = candidates.transitions.astype(jnp.float32)  # [R, D, K, K]; depth 1 reads row 0 (the root)
+
+        def walk(rank, t_d):
+            row = jnp.take_along_axis(t_d, rank[:, None, None], axis=1)[:, 0]  # [R, K]
+            nxt = jnp.argmax(row, axis=-1)
+            return nxt, jnp.take_along_axis(row, nxt[:, None], axis=1)[:, 0]
+
+        _, steps = jax.lax.scan(walk, jnp.zeros(t.shape[0], jnp.int32), jnp.moveaxis(t, 1, 0))
+        steps = steps.T
+    return jnp.sum(jnp.exp(jnp.cumsum(steps, axis=-1)), axis=-1)
