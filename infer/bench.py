@@ -13,7 +13,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+from dflash_jax.checkpoints.hub import resolve_checkpoint
 from dflash_jax.evaluation.bench import BENCH_BUCKETS, Journal, check_replay, markdown_table, run_bench, write_report
+from dflash_jax.evaluation.thinking import warn_thinking_mismatch
 from dflash_jax.fileio import ensure_writable_dir
 from dflash_jax.evaluation.prompts import DATASETS, load_datasets, read_prompt_file
 from dflash_jax.errors import UserError
@@ -63,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", dest="chat_template", action="store_false",
                         help="feed the raw conversation text (turns joined by blank lines) instead of the "
                              "tokenizer's chat template (the paper uses the template, thinking off)")
+    parser.add_argument("--thinking", action="store_true",
+                        help="render the chat template with enable_thinking=True (Qwen3 thinking on; default off, "
+                             "as the paper); a draft whose metadata says it was trained in the other mode gets a "
+                             "warning")
     parser.add_argument("--replay", action="store_true",
                         help="with --adaptive including 1, greedy: also replay width schedules offline on every "
                              "answer (the draft's teacher-forced acceptance at each position, the measured round "
@@ -113,19 +119,23 @@ def bench_main(args: argparse.Namespace) -> int:
         "revision": args.revision, "ckpt_revision": args.ckpt_revision,
         "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature,
         "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": args.seed, "chat_template": args.chat_template,
-        "adaptive": list(args.adaptive), "mesh": args.mesh, "replay": args.replay, "tree": args.tree})
+        "adaptive": list(args.adaptive), "mesh": args.mesh, "replay": args.replay, "tree": args.tree,
+        **({"thinking": True} if args.thinking else {})})  # absent when off: earlier journals still resume
     resumed = sum(journal.finished(k, i, s) is not None for k, v in datasets.items() for i, s in enumerate(v))
     if resumed:
         print(f"bench: resuming, {resumed} finished sample(s) read from {journal.path} (delete it to measure "
               f"them again)", file=sys.stderr)
     decoder, tokenizer, stops = load_decoder(args, need_draft=True)
+    warn_thinking_mismatch(resolve_checkpoint(args.ckpt, args.ckpt_revision, "--ckpt"), tokenizer, args.chat_template,
+                           args.thinking)
     n = sum(len(s) for s in datasets.values())
     print(f"bench: {', '.join(f'{k} ({len(v)})' for k, v in datasets.items())}: {n} samples, block "
           f"{decoder.block_size}" + (f", tree of {args.tree} nodes" if args.tree else "") +
           f", max_new_tokens {args.max_new_tokens}, temperature {sampling.temperature}",
           file=sys.stderr)
     results = run_bench(decoder, tokenizer, stops, datasets, args.max_new_tokens, sampling, args.seed,
-                        use_chat_template=args.chat_template, progress=True, journal=journal, replay=args.replay)
+                        use_chat_template=args.chat_template, progress=True, journal=journal, replay=args.replay,
+                        enable_thinking=args.thinking)
     journal.close()
     meta = {"target": str(args.target), "draft": str(args.ckpt), "tokenizer": args.tokenizer,
             "revision": args.revision, "ckpt_revision": args.ckpt_revision,

@@ -63,6 +63,10 @@ def test_sigkill_mid_training_then_resume_is_bit_identical(tiny):
     full = run(fit_cmd(config, root / "full"), root)
     assert full.returncode == 0, full.stderr[-2000:]
     assert "step 30:" in full.stdout
+    # The data's thinking mode (plain rows, data.enable_thinking false) is recorded for infer's check.
+    exported_config = json.loads((root / "full" / "export" / "draft" / "config.json").read_text())
+    assert exported_config["dflash_training_data"] == {"enable_thinking": False, "use_chat_template": True,
+                                              "render_enable_thinking": False}
 
     killed_out = root / "killed"
     proc = subprocess.Popen(fit_cmd(config, killed_out), cwd=REPO, env=fit_env(root), stdout=subprocess.DEVNULL,

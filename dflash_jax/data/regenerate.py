@@ -156,6 +156,37 @@ def batch_seed(seed: int, shard: int, turn: int, batch: int) -> int:
     return int(np.random.SeedSequence([seed, shard, turn, batch]).generate_state(1)[0])
 
 
+TRAINING_DATA_KEY = "dflash_training_data"  # the exported draft's config.json / Orbax metadata entry
+
+
+def training_data_thinking(train: str | Path | Sequence[str | Path], enable_thinking: bool,
+                           use_chat_template: bool) -> tuple[dict, list[str]]:
+    """The thinking mode a draft is trained in, for its exported metadata (``infer`` and ``infer bench``
+    warn when prompts are rendered in the other mode), and warnings about the data. The answers decide it:
+    a regeneration directory's settings say how they were asked for; other data is taken to be in the mode
+    the trainer renders it (``data.enable_thinking``)."""
+    paths = [train] if isinstance(train, (str, Path)) else list(train)
+    regenerated = {str(p): regeneration_thinking(p) for p in paths if Path(p).is_dir()}
+    regenerated = {k: v for k, v in regenerated.items() if v is not None}
+    modes = {v["enable_thinking"] for v in regenerated.values()}
+    warnings = []
+    if len(modes) > 1:
+        warnings.append("data.train mixes regenerations with thinking on and off ("
+                        + ", ".join(f"{k}: {'on' if v['enable_thinking'] else 'off'}" for k, v in regenerated.items())
+                        + "); the draft's metadata records data.enable_thinking")
+    thinking = modes.pop() if len(modes) == 1 else bool(enable_thinking)
+    if regenerated and thinking != bool(enable_thinking) and not warnings:
+        warnings.append(f"data.train was regenerated with thinking {'on' if thinking else 'off'} but "
+                        f"data.enable_thinking is {str(bool(enable_thinking)).lower()}: the prompts are rendered in "
+                        "the other mode than the answers were generated in; set data.enable_thinking to match")
+    meta = {"enable_thinking": thinking, "use_chat_template": bool(use_chat_template),
+            "render_enable_thinking": bool(enable_thinking)}
+    kwargs = [v["chat_template_kwargs"] for v in regenerated.values()]
+    if kwargs and all(k == kwargs[0] for k in kwargs):
+        meta["chat_template_kwargs"] = kwargs[0]
+    return meta, warnings
+
+
 @dataclasses.dataclass
 class _Job:
     """One example being answered turn by turn."""

@@ -38,12 +38,14 @@ from dflash_jax.fileio import atomic_write, write_text_atomic
 BENCH_BUCKETS = (256, 4)
 
 
-def conversation_ids(tokenizer: Any, messages: list[dict], use_chat_template: bool = True) -> list[int]:
+def conversation_ids(tokenizer: Any, messages: list[dict], use_chat_template: bool = True,
+                     enable_thinking: bool = False) -> list[int]:
     """Token ids of the conversation so far (ending in a user turn). With a chat template: the template with
-    the generation prompt and thinking off. Without one (or with ``use_chat_template=False``): every message's
-    text joined by blank lines, so later turns still see the earlier turns and answers."""
+    the generation prompt and thinking off (unless ``enable_thinking``). Without one (or with
+    ``use_chat_template=False``): every message's text joined by blank lines, so later turns still see the
+    earlier turns and answers."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        return encode_conversation(tokenizer, messages, True)
+        return encode_conversation(tokenizer, messages, True, enable_thinking)
     text = "\n\n".join(m["content"] for m in messages)
     return list(tokenizer(text)["input_ids"])
 
@@ -170,6 +172,7 @@ def run_bench(
     progress: bool = True,
     journal: Journal | None = None,
     replay: bool = False,
+    enable_thinking: bool = False,
 ) -> dict:
     """Run every turn of every sample with the baseline and with DFlash; return per-turn rows and per-dataset
     summaries. Compilation is reported by the engine separately and never enters the metrics. A turn whose
@@ -205,7 +208,7 @@ def run_bench(
                     messages: list[dict] = []
                     for ti, user in enumerate(turns):
                         messages.append({"role": "user", "content": user})
-                        ids = conversation_ids(tokenizer, messages, use_chat_template)
+                        ids = conversation_ids(tokenizer, messages, use_chat_template, enable_thinking)
                         row = {"dataset": name, "sample": si, "turn": ti, "prompt_tokens": len(ids), "user": user}
                         try:
                             decoder.check_fits([len(ids)], max_new_tokens)
@@ -250,6 +253,7 @@ def run_bench(
         "settings": {"block_size": block, "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
                      "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": seed, "batch_size": 1,
                      "chat_template": bool(use_chat_template and getattr(tokenizer, "chat_template", None)),
+                     "enable_thinking": bool(enable_thinking),
                      "stop_tokens": [int(t) for t in stop_tokens]},
         "summary": summary,
         "mean": {"tau": _mean(taus), "speedup": _mean(speedups)},  # unweighted over datasets, as Table 1

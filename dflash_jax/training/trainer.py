@@ -27,6 +27,7 @@ from dflash_jax.checkpoints.hub import resolve_checkpoint
 from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer, tokenizer_dir
 from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft
 from dflash_jax.data.pipeline import BatchIterator, make_dataset, steps_per_run
+from dflash_jax.data.regenerate import TRAINING_DATA_KEY, training_data_thinking
 from dflash_jax.engine.decoder import stop_tokens_of
 from dflash_jax.engine.generate import prompt_width
 from dflash_jax.models.config import ConfigError, TargetConfig
@@ -278,6 +279,11 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
     held-out prompts as token ids (otherwise read from ``data.eval_prompts``).
     """
     run = prepare_run(cfg, tokenized=tokenized, eval_prompts=eval_prompts, log=log, progress=progress)
+    # The data's thinking mode goes into the exported draft's metadata: infer warns on prompts in the other mode.
+    data_meta, data_warnings = training_data_thinking(cfg["data"]["train"], cfg["data"]["enable_thinking"],
+                                                      cfg["data"]["use_chat_template"])
+    for line in data_warnings if jax.process_index() == 0 else ():
+        log(f"warning: {line}")
     out_dir = Path(cfg["output"]["dir"])
     mesh, target_params, draft_config = run.mesh, run.target_params, run.draft_config
     eval_prompts, total_steps, fingerprint = run.eval_prompts, run.total_steps, run.fingerprint
@@ -340,7 +346,8 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
         ckpts.close()
         export_dir = None
         if not stopped:
-            export_dir = export_draft(out_dir / "export", draft_config, state.params, cfg["output"]["export_dtype"])
+            export_dir = export_draft(out_dir / "export", draft_config, state.params, cfg["output"]["export_dtype"],
+                                      data_meta)
             if jax.process_index() == 0:
                 log(f"exported {export_dir / 'draft'} (official layout) and {export_dir / 'draft-orbax'} (Orbax)")
             if eval_prompts:
@@ -378,10 +385,13 @@ def evaluate_tau(run: Run, draft_params: Any, prompts: list[list[int]] | None = 
     return decoder.generate(chosen, run.cfg["output"]["eval_max_new_tokens"], stop_tokens=run.stop_tokens).tau
 
 
-def export_draft(directory: Path, config: DraftConfig, params: Any, dtype: str | None) -> Path:
+def export_draft(directory: Path, config: DraftConfig, params: Any, dtype: str | None,
+                 data_meta: dict | None = None) -> Path:
     """The trained draft in the official layout (servable by SGLang/vLLM, loadable by ``python -m infer
     --ckpt``) and as an Orbax checkpoint; written beside and renamed into place when complete. Every process
-    takes part (Orbax saves collectively); process 0 writes the files."""
+    takes part (Orbax saves collectively); process 0 writes the files. ``data_meta`` (the training data's
+    thinking mode) goes into both configs under ``dflash_training_data``; loaders ignore the key."""
+    extra = {TRAINING_DATA_KEY: data_meta} if data_meta else {}
     from jax.experimental import multihost_utils
 
     multi = jax.process_count() > 1
@@ -392,10 +402,11 @@ def export_draft(directory: Path, config: DraftConfig, params: Any, dtype: str |
     tmp = directory.with_name(directory.name + ".tmp")
     if primary:
         shutil.rmtree(tmp, ignore_errors=True)
-        save_draft(config, host, tmp / "draft", dtype=dtype)
+        save_draft(config, host, tmp / "draft", dtype=dtype, extra_config=extra)
     if multi:
         multihost_utils.sync_global_devices("dflash_export_draft")
-    orbax_io.save_params(tmp / "draft-orbax", host, "draft", config.to_official_dict(), write_meta=primary)
+    orbax_io.save_params(tmp / "draft-orbax", host, "draft", {**config.to_official_dict(), **extra},
+                         write_meta=primary)
     if primary:
         if directory.exists():
             old = directory.with_name(directory.name + ".old")
