@@ -267,3 +267,40 @@ def test_qwen3_next_projections():
         want = layer(torch.from_numpy(x)).numpy()
     got, _ = run(params_from(sd), x)
     close(got, want)
+
+
+def test_tree_block_runs_each_token_from_its_root_path(layer_setup):
+    """A tree block through the decode cache (``LinearState``, ``tree=ancestors``): every token's output equals a
+    plain extension of the committed state by its root path (the recurrence and the causal conv, checked above
+    against transformers) at the path's last token; after ``KVCache.commit_path`` of one root-to-leaf path, the
+    state the next forward reads (``committed_state``) equals that plain extension's final states (1e-5)."""
+    from dflash_jax.engine.tree import commit_permutation
+    from dflash_jax.models.cache import KVCache, LinearState
+
+    _, _, params, x, _ = layer_setup
+    n = 11  # committed tokens
+    parents = [0, 0, 0, 1, 1, 2, 3, 6]  # node 0 the root; depth 4 reaches past the conv window
+    t = len(parents)
+    anc = np.eye(t, dtype=bool)
+    for i in range(1, t):
+        anc[i] |= anc[parents[i]]
+    path_of = lambda i: [int(j) for j in np.flatnonzero(anc[i])]  # noqa: E731 (ancestors come first)
+    tree_x = np.random.default_rng(9).standard_normal((1, t, HID)).astype(np.float32)
+    _, (conv0, rec0) = run(params, x[:1, :n])
+    state = LinearState.create(1, 16, KC, CFG.conv_dim, NV, DK, DV).replace(
+        conv=conv0, recurrent=rec0, start=jnp.asarray([n], jnp.int32))
+    lengths = jnp.asarray([n], jnp.int32)
+    out, pending = jax.jit(lambda p, xs, st, tr: GatedDeltaNet(CFG).apply(
+        {"params": p}, xs, None, st, lengths=lengths, tree=tr))(params, tree_x, state, anc[None])
+    for i in range(t):
+        want, _ = run(params, tree_x[:, path_of(i)], state=(conv0, rec0))
+        close(out[:, i], want[:, -1])
+    leaf = t - 1
+    path = np.asarray(path_of(leaf), np.int32)
+    depth = len(path) - 1
+    perm = commit_permutation(jnp.asarray(np.pad(path, (0, t - len(path)))), jnp.int32(depth), t - 1)
+    cache = KVCache((), (), lengths, (pending,)).commit_path(lengths, perm[None], lengths + depth + 1)
+    conv, rec = gdn.committed_state(cache.linear[0], cache.lengths)
+    _, (want_conv, want_rec) = run(params, tree_x[:, path], state=(conv0, rec0))
+    close(conv, want_conv)
+    close(rec, want_rec)

@@ -98,9 +98,6 @@ def check_tree(settings: DecodeSettings, target_config: TargetConfig, proposer) 
         return
     if not hasattr(proposer, "candidates") or proposer.block_size < 2:
         raise UserError("tree verification needs a draft (a proposer with per-position candidates)")
-    if target_config.linear_layers:
-        raise UserError(f"tree verification of a target with Gated DeltaNet layers ({target_config.model_type}) "
-                        "is not implemented yet: decode it with the chain (no --tree)")
 
 
 class LoopState(NamedTuple):

@@ -100,9 +100,19 @@ class KVCache:
         perm[:, j]`` (``perm [B, N]``: the accepted path's nodes first, the identity elsewhere), then the rows
         keep ``lengths``. Node ``perm[j]`` was rotated for position ``base + j``, so nothing is re-rotated;
         ring layers map slots modulo their size (they hold at least ``N`` slots past the window). The chain is
-        the identity permutation: ``with_lengths``. Attention layers only (a tree refuses linear layers)."""
+        the identity permutation: ``with_lengths``. A linear layer's pending terms (``LinearState``, token order
+        from ``base``) are gathered the same way: the accepted path's terms are the chain's for that path, and
+        the new lengths form its state when the next forward needs it."""
         n = perm.shape[1]
         rows = jnp.arange(perm.shape[0])[:, None]
+
+        def gather(pending: jax.Array) -> jax.Array:  # [B, W, ...]: the first n entries permuted
+            moved = jnp.take_along_axis(pending, perm.reshape(perm.shape + (1,) * (pending.ndim - 2)), axis=1)
+            return jnp.concatenate([moved, pending[:, n:]], axis=1)
+
+        linear = tuple(state.replace(inputs=gather(state.inputs), keys=gather(state.keys),
+                                     deltas=gather(state.deltas), decay=gather(state.decay))
+                       for state in self.linear)
 
         def move(layer: jax.Array) -> jax.Array:
             size = layer.shape[2]
@@ -111,7 +121,7 @@ class KVCache:
             return layer.at[rows, :, dest].set(layer[rows, :, source])  # read all, then write: order-safe
 
         return self.replace(keys=tuple(map(move, self.keys)), values=tuple(map(move, self.values)),
-                            lengths=lengths.astype(jnp.int32))
+                            lengths=lengths.astype(jnp.int32), linear=linear)
 
 
 def lengths_after_write(lengths: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:

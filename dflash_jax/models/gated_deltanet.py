@@ -190,18 +190,24 @@ def unit_lower_solve(lower: jax.Array, rhs: jax.Array, method: str | None = None
     return jax.lax.fori_loop(0, n, row, jnp.zeros_like(rhs))
 
 
-def _chunk_terms(q, k, v, g, beta):
+def _chunk_terms(q, k, v, g, beta, ancestors=None):
     """The per-chunk terms of the chunked form (inputs ``[B, H, N, C, d]`` / ``[B, H, N, C]``): the UT
     solve's pseudo-values ``U`` and ``W``, the decayed queries and keys, the causal intra-chunk scores and the
     cumulative log decay ``G``. ``v_new = U - W S`` from a chunk's start state ``S`` is then every position's
-    delta-rule update ``beta (v - S_prev^T k)``."""
+    delta-rule update ``beta (v - S_prev^T k)``. ``ancestors`` (broadcastable to ``[B, H, N, C, C]``): a tree
+    chunk (``gated_delta_block``), whose mask replaces ``i >= j``."""
     chunk, dv = q.shape[-2], v.shape[-1]
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
-    lower = jnp.tril(jnp.ones((chunk, chunk), bool))  # i >= j
+    if ancestors is None:
+        cum = jnp.cumsum(g, axis=-1)  # [B, H, N, C]
+        lower = jnp.tril(jnp.ones((chunk, chunk), bool))  # i >= j
+    else:  # the decay summed along each token's root path
+        lower = ancestors
+        cum = jnp.einsum("...ij,...j->...i", lower.astype(jnp.float32), g, precision=HIGHEST)
     decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))
     ut = jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k, precision=HIGHEST) * decay
-    ut = jnp.where(jnp.tril(lower, -1), ut, 0.0) + jnp.eye(chunk, dtype=jnp.float32)
+    strict = lower & ~jnp.eye(chunk, dtype=bool)
+    ut = jnp.where(strict, ut, 0.0) + jnp.eye(chunk, dtype=jnp.float32)
     intra = jnp.einsum("bhnik,bhnjk->bhnij", q, k, precision=HIGHEST) * decay
     rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
     sol = unit_lower_solve(ut, rhs)
@@ -212,7 +218,8 @@ def _chunk_terms(q, k, v, g, beta):
 
 def gated_delta_block(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                       state: jax.Array | None = None, *, valid: jax.Array | None = None,
-                      normalize_qk: bool = True) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+                      normalize_qk: bool = True, ancestors: jax.Array | None = None
+                      ) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
     """A short extension (a verify block, a decode step) as ONE chunk of the chunked form, keeping what it
     takes to form the state after any prefix of it later (``advance``). Same arguments as
     ``gated_delta_recurrent``. Returns ``(o [B, T, Hv, dv]``, ``(keys [B, T, Hv, dk], deltas [B, T, Hv, dv],
@@ -223,13 +230,22 @@ def gated_delta_block(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, be
     terms are ``T (dk + dv + 1)`` floats per head (~0.8 MB per layer and row there), and the state after the
     first ``n`` tokens is one weighted sum over them (``advance``): exact, and cheaper than replaying the
     recurrence over the accepted prefix, which would be ``n`` more sequential steps per layer.
+
+    ``ancestors [B, T, T]`` (tree verification, ``engine/tree.py``; parents before children): token ``i``
+    continues the state after its own ancestors (``ancestors[b, i, j]``, itself included) rather than after
+    every earlier token. The chunk's algebra only changes its mask: the cumulative log decay runs along each
+    token's root path (``G = ancestors @ g``), and the UT solve and the intra-chunk scores keep the pairs
+    ``(i, ancestor j)`` instead of ``i >= j``; still unit lower-triangular, since an ancestor comes first. The
+    terms of the tokens on one root path, gathered in path order (``KVCache.commit_path``), are exactly the
+    terms the chain computes for that path, so ``advance`` forms the state after the accepted path.
     """
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, valid, normalize_qk)
     s0 = _initial_state(state, q, v)
     # [B, T, H, d] -> [B, H, 1, T, d]: the block is one chunk
     to_chunk = lambda x: jnp.moveaxis(x, 1, 2)[:, :, None]  # noqa: E731
-    u, w, q_dec, _, intra, cum = _chunk_terms(*(to_chunk(x) for x in (q, k, v, g, beta)))
+    u, w, q_dec, _, intra, cum = _chunk_terms(*(to_chunk(x) for x in (q, k, v, g, beta)),
+                                              ancestors=None if ancestors is None else ancestors[:, None, None])
     deltas = u - jnp.einsum("bhnck,bhkv->bhncv", w, s0, precision=HIGHEST)
     o = (jnp.einsum("bhnck,bhkv->bhncv", q_dec, s0, precision=HIGHEST)
          + jnp.einsum("bhnij,bhnjv->bhniv", intra, deltas, precision=HIGHEST))
@@ -308,6 +324,28 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array | None 
     return y.astype(x.dtype), new_state
 
 
+def tree_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array, ancestors: jax.Array,
+                activation: bool = True) -> jax.Array:
+    """``causal_conv1d``'s output for a tree block (``x [B, T, C]``, token 0 the root continuing ``conv_state``;
+    ``ancestors [B, T, T]`` with itself included, parents before children): token ``i`` convolves its own
+    input with its ``K - 1`` nearest ancestors' (a path's sequence), reaching into ``conv_state`` past the
+    root. (No new state: a tree's conv state is formed at the commit from the accepted path's inputs.)"""
+    b, t, c = x.shape
+    kk = weight.shape[-1]
+    w = weight.reshape(c, kk).astype(jnp.float32)
+    buf = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1).astype(jnp.float32)  # [B, K - 1 + T, C]
+    depth = jnp.sum(ancestors, axis=-1, dtype=jnp.int32) - 1  # [B, T] (the root 0)
+    y = x.astype(jnp.float32) * w[:, kk - 1]
+    for m in range(1, kk):  # the m-th input before each token along its path
+        up = depth - m
+        node = jnp.argmax(ancestors & (depth[:, None, :] == up[:, :, None]), axis=-1)  # [B, T]
+        index = jnp.clip(jnp.where(up >= 0, kk - 1 + node, kk - 1 + up), 0, kk - 2 + t)
+        y = y + jnp.take_along_axis(buf, index[..., None], axis=1) * w[:, kk - 1 - m]
+    if activation:
+        y = jax.nn.silu(y)
+    return y.astype(x.dtype)
+
+
 def conv_window(buf: jax.Array, end: jax.Array, width: int) -> jax.Array:
     """``buf[b, end[b] : end[b] + width]`` per row: the conv state after the first ``end`` tokens of an
     extension, from ``buf = concat(conv state before it, its inputs)`` (``[B, K - 1 + T, C]``)."""
@@ -357,13 +395,17 @@ class GatedDeltaNet(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, valid: jax.Array | None = None,
                  state: tuple[jax.Array, jax.Array] | LinearState | None = None, *, all_states: bool = False,
-                 path: str | None = None, lengths: jax.Array | None = None):
+                 path: str | None = None, lengths: jax.Array | None = None, tree: jax.Array | None = None):
         """With a ``LinearState`` (the decode cache) and the rows' current ``lengths``, ``x`` extends each row
         from its length (its valid tokens first, contiguous): returns ``(out, new LinearState)``, the new state
         pending on the rows' next lengths (``committed_state``). Extensions up to the state's width keep their
-        terms (rollback to any prefix); wider ones (prefill chunks) are folded in whole."""
+        terms (rollback to any prefix); wider ones (prefill chunks) are folded in whole. ``tree [B, T, T]``
+        (with a ``LinearState``): a tree block, each token continuing its ancestors (``gated_delta_block``);
+        its terms stay in token order until ``KVCache.commit_path`` gathers the accepted path."""
         if isinstance(state, LinearState):
-            return self._extend(x, valid, state, lengths)
+            return self._extend(x, valid, state, lengths, tree)
+        if tree is not None:
+            raise ValueError("a tree block needs the decode cache (a LinearState)")
         cfg = self.cfg
         b, t, _ = x.shape
         mixed, z, beta, g, conv = self._project(x, valid)
@@ -420,17 +462,22 @@ class GatedDeltaNet(nn.Module):
         o = gated_rms_norm(o, z, norm_w, cfg.eps).reshape(b, t, cfg.value_dim)
         return self._dense(cfg.hidden_size, "out_proj")(o)
 
-    def _extend(self, x, valid, cache: LinearState, lengths):
+    def _extend(self, x, valid, cache: LinearState, lengths, tree=None):
         b, t, _ = x.shape
         width = cache.width
         if valid is None:
             valid = jnp.ones((b, t), bool)
         conv_state, rec_state = committed_state(cache, lengths)
         pre_conv, z, beta, g, conv = self._project(x, valid)
-        mixed, new_conv = causal_conv1d(pre_conv, conv, conv_state, valid)
+        if tree is None:
+            mixed, new_conv = causal_conv1d(pre_conv, conv, conv_state, valid)
+        elif t > width:
+            raise ValueError(f"a tree block of {t} tokens exceeds the linear state's width {width}")
+        else:
+            mixed = tree_conv1d(pre_conv, conv, conv_state, tree)
         q, k, v = self._heads(mixed)
         if t <= width:  # keep the terms: the next lengths pick the prefix
-            o, (keys, deltas, decay) = gated_delta_block(q, k, v, g, beta, rec_state, valid=valid)
+            o, (keys, deltas, decay) = gated_delta_block(q, k, v, g, beta, rec_state, valid=valid, ancestors=tree)
             pad = lambda a: jnp.pad(a, [(0, 0), (0, width - t)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
             new = LinearState(conv=conv_state, recurrent=rec_state, start=lengths.astype(jnp.int32),
                               inputs=pad(pre_conv.astype(cache.inputs.dtype)),  # pads project to zeros

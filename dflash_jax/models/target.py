@@ -150,7 +150,7 @@ class DecoderLayer(nn.Module):
         h = norm("input_layernorm")(x)
         if cfg.is_linear_layer(self.index):
             mixed, new_kv = GatedDeltaNet(cfg.linear_attention, self.dtype, self.dtype, name="linear_attn")(
-                h, valid, cache_kv, lengths=lengths)
+                h, valid, cache_kv, lengths=lengths, tree=block_mask)
             if cache_kv is None:
                 new_kv = None
         else:
@@ -252,15 +252,14 @@ class TargetModel(nn.Module):
         token ``i`` sees the committed context and the tokens ``j`` with ``tree[b, i, j]`` (its ancestors and
         itself). Token ``i`` is written at slot ``length + i`` whatever its position (``length + depth``), so
         the row's length grows by ``T`` and the engine's commit then moves the accepted path into place
-        (``KVCache.commit_path``). Attention layers only: a Gated DeltaNet layer cannot branch.
+        (``KVCache.commit_path``). A Gated DeltaNet layer runs each token from the state after its ancestors
+        (``gated_deltanet.gated_delta_block``) and keeps every token's terms until that commit.
         """
         if valid is None:
             valid = jnp.ones(tokens.shape, bool)
         x = self.embed(tokens)
         live = spans = new_lengths = None
         if cache is not None and tree is not None:
-            if self.config.linear_layers:
-                raise ValueError("a tree block cannot run through Gated DeltaNet layers")
             t = tokens.shape[1]
             tree = tree & valid[:, None, :]  # invalid tokens are neither written nor seen
             base = cache.lengths
