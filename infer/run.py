@@ -140,7 +140,8 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
     if getattr(args, "mesh", None):
         from dflash_jax.sharding import make_mesh
 
-        mesh = make_mesh(args.mesh)
+        # Regeneration splits the work by process, each on a mesh of its own devices (local_mesh).
+        mesh = make_mesh(args.mesh, jax.local_devices() if getattr(args, "local_mesh", False) else None)
     ckpt_revision = getattr(args, "ckpt_revision", None)  # namespaces built by hand (the demo) lack the flags
     if ckpt_revision is not None and not args.ckpt:
         raise UsageError("--ckpt-revision needs a --ckpt")

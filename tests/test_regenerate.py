@@ -4,6 +4,7 @@ earlier answer), a killed run resumes to exactly the uninterrupted output, and s
 import argparse
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -389,3 +390,25 @@ def test_harmony_answers_are_stored_as_thinking_and_content(setup, tmp_path):
     n = len(answer_ids)
     assert ids[-n:].tolist() == answer_ids and mask[-n:].all() and not mask[-n - 1]
     assert tok.decode(ids[:-n]).endswith("<|start|>user<|message|>two<|end|><|start|>assistant")
+
+
+def test_two_processes_split_the_shards_and_merge_to_the_one_process_output(setup, reference):
+    """jax.distributed with two local processes, each on a data=2 mesh of its own two CPU devices: process i
+    answers shards k with k mod 2 == i into the same directory, which ends up byte-identical to the one-process
+    run (rows do not depend on which process or how many devices answer a shard)."""
+    from conftest import free_port
+
+    out = setup[0] / "two-processes"
+    coordinator = f"localhost:{free_port()}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "train", *cli_args(setup, out), "--coordinator", coordinator, "--num-processes", "2",
+         "--process-id", str(i), "--cpu-devices", "2", "--mesh", "data=2"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (stdout, stderr) in zip(procs, outputs):
+        assert p.returncode == 0, stderr[-3000:]
+    # Four shards: process 0 wrote shards 0 and 2, process 1 shards 1 and 3.
+    assert "wrote 2 shards" in outputs[0][0] and "process 0 of 2" in outputs[0][0]
+    assert "wrote 2 shards" in outputs[1][0] and "process 1 of 2" in outputs[1][0]
+    assert shard_texts(out) == shard_texts(reference[0])

@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
         if "--target" in action.option_strings:  # --server answers without a local target
             action.required = False
             action.help += "; required unless --server"
+        if {"--coordinator", "--distributed"} & set(action.option_strings):
+            action.help += ("; regenerate: every process runs the same command into the same --out (a shared "
+                            "file system) and answers its own shards (shard k on process k mod N)")
+        if "--mesh" in action.option_strings:
+            action.help += "; with several processes, each one's mesh is over its own devices (e.g. data=8 per host)"
         if "--ckpt" in action.option_strings:
             action.help = ("optional DFlash draft (official directory, Orbax or Hub id): generates faster; the "
                            "answers have the target's distribution either way")
@@ -138,6 +143,12 @@ def server_options(args: argparse.Namespace) -> tuple[ServerOptions, dict]:
     return options, kwargs
 
 
+def jax_process() -> tuple[int, int]:
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
 def print_warnings(warnings: list[str]) -> None:
     for line in warnings[:MAX_WARNINGS_SHOWN]:
         print(f"warning: {line}", file=sys.stderr)
@@ -171,18 +182,23 @@ def regenerate_main(args: argparse.Namespace) -> int:
             seed=args.seed, shard_size=args.shard_size, use_chat_template=args.chat_template,
             chat_template_kwargs=kwargs, progress=args.progress)
     else:
-        decoder, tokenizer, eos = load_decoder(args, need_draft=False)
+        args.local_mesh = True  # several processes: each answers its own shards on its own devices
+        decoder, tokenizer, eos = load_decoder(args, need_draft=False)  # starts jax.distributed if asked
         stops = args.stop_token if args.stop_token else eos
+        import jax
+
         stats = regenerate(decoder, tokenizer, examples, Path(args.out), batch_size=args.batch_size or 8,
                            max_new_tokens=args.max_new_tokens, sampling=sampling, stop_tokens=stops,
                            seed=args.seed, shard_size=args.shard_size, use_chat_template=args.chat_template,
-                           enable_thinking=args.thinking, progress=args.progress)
+                           enable_thinking=args.thinking, progress=args.progress,
+                           processes=(jax.process_index(), jax.process_count()))
     print_warnings(stats.warnings)
     rate = stats.generated_tokens / stats.seconds if stats.seconds > 0 else 0.0
     print(f"{args.out}: {stats.shards} shards for {stats.examples} examples ({read_stats.skipped} malformed rows "
           f"skipped); this run wrote {stats.shards_written} shards ({stats.shards_done_before} were already complete), "
           f"{stats.rows_written} rows, {stats.answers} answers, {stats.generated_tokens} tokens in "
-          f"{stats.seconds:.1f} s ({rate:.0f} tok/s)")
+          f"{stats.seconds:.1f} s ({rate:.0f} tok/s)" + (f"; process {jax_process()[0]} of {jax_process()[1]}"
+                                                          if options is None and jax_process()[1] > 1 else ""))
     if stats.skipped:
         print(f"{stats.skipped} examples left out (no turn could be answered)")
     if stats.unfinished:

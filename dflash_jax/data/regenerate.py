@@ -126,8 +126,9 @@ def regeneration_thinking(path: str | Path) -> dict | None:
     return {"enable_thinking": thinking, "chat_template_kwargs": kwargs}
 
 
-def prepare_out_dir(out_dir: Path, settings: dict) -> None:
-    """Create ``out_dir`` with its settings file, or check an existing one matches; remove partial shards."""
+def prepare_out_dir(out_dir: Path, settings: dict, own: Any = None) -> None:
+    """Create ``out_dir`` with its settings file, or check an existing one matches; remove partial shards
+    (of the shards ``own(k)`` says are this process's, when several processes share the directory)."""
     settings_path = out_dir / REGENERATE_SETTINGS
     if settings_path.is_file():
         try:
@@ -148,7 +149,8 @@ def prepare_out_dir(out_dir: Path, settings: dict) -> None:
         with atomic_write(settings_path) as f:
             f.write((json.dumps(settings, indent=2) + "\n").encode())
     for stale in out_dir.glob("*.tmp"):  # left by a killed run
-        stale.unlink()
+        if own is None or (stale.name.startswith("shard-") and own(int(stale.name[6:11]))):
+            stale.unlink(missing_ok=True)
 
 
 def batch_seed(seed: int, shard: int, turn: int, batch: int) -> int:
@@ -352,9 +354,14 @@ def answer_shard(decoder: Any, tokenizer: Any, examples: Sequence[Example], shar
 def regenerate(decoder: Any, tokenizer: Any, examples: Sequence[Example], out_dir: str | Path, *, batch_size: int,
                max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(), stop_tokens: Sequence[int] = (),
                seed: int = 0, shard_size: int = 256, use_chat_template: bool = True, enable_thinking: bool = False,
-               progress: bool = True) -> RegenerateStats:
+               progress: bool = True, processes: tuple[int, int] | None = None) -> RegenerateStats:
     """Answer every example with the target and write resumable JSONL shards to ``out_dir`` (see the module
-    docstring). Returns the statistics of this run (complete shards found are counted, not re-read)."""
+    docstring). Returns the statistics of this run (complete shards found are counted, not re-read).
+
+    ``processes=(index, count)``: one of ``count`` processes sharing ``out_dir`` (``jax.distributed``, every
+    process running this with the same arguments), each answering the shards ``k % count == index`` on its own
+    devices; rows do not depend on which process answers a shard, so the directory ends up as one process
+    would write it. Process 0 writes the settings file first; the others check it."""
     check_run_args(batch_size, shard_size, max_new_tokens, seed, examples)
     decoder.check_fits([1], max_new_tokens)  # max_new_tokens alone must fit the target's positions
     out_dir = Path(out_dir)
@@ -362,9 +369,18 @@ def regenerate(decoder: Any, tokenizer: Any, examples: Sequence[Example], out_di
         decoder, tokenizer, examples, batch_size=batch_size, max_new_tokens=max_new_tokens, sampling=sampling,
         stop_tokens=stop_tokens, seed=seed, shard_size=shard_size, use_chat_template=use_chat_template,
         enable_thinking=enable_thinking)
-    prepare_out_dir(out_dir, settings)
+    index, count = processes or (0, 1)
+    mine = (lambda k: k % count == index) if count > 1 else None
+    if index == 0:
+        prepare_out_dir(out_dir, settings, mine)
+    if count > 1:
+        _barrier("dflash_regenerate_prepared")
+        if index != 0:
+            prepare_out_dir(out_dir, settings, mine)
 
     stats, pending, bar = start_shards(examples, out_dir, shard_size, progress)
+    if mine is not None:
+        pending = [k for k in pending if mine(k)]
     start = time.perf_counter()
     try:
         for k in pending:
@@ -377,7 +393,15 @@ def regenerate(decoder: Any, tokenizer: Any, examples: Sequence[Example], out_di
     finally:
         bar.close()
         stats.seconds = time.perf_counter() - start
+    if count > 1:
+        _barrier("dflash_regenerate_done")  # every process's shards written: the directory is complete
     return stats
+
+
+def _barrier(name: str) -> None:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
 
 
 def check_run_args(batch_size: int, shard_size: int, max_new_tokens: int, seed: int,
