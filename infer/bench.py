@@ -120,6 +120,7 @@ def bench_main(args: argparse.Namespace) -> int:
         "block_size": args.block_size, "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature,
         "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": args.seed, "chat_template": args.chat_template,
         "adaptive": list(args.adaptive), "mesh": args.mesh, "replay": args.replay, "tree": args.tree,
+        **({"tree_budgets": list(args.tree_budgets)} if args.tree == "auto" else {}),
         **({"thinking": True} if args.thinking else {})})  # absent when off: earlier journals still resume
     resumed = sum(journal.finished(k, i, s) is not None for k, v in datasets.items() for i, s in enumerate(v))
     if resumed:
@@ -130,7 +131,8 @@ def bench_main(args: argparse.Namespace) -> int:
                            args.thinking)
     n = sum(len(s) for s in datasets.values())
     print(f"bench: {', '.join(f'{k} ({len(v)})' for k, v in datasets.items())}: {n} samples, block "
-          f"{decoder.block_size}" + (f", tree of {args.tree} nodes" if args.tree else "") +
+          f"{decoder.block_size}" + (", tree auto over budgets " + ",".join(map(str, args.tree_budgets))
+                                     if args.tree == "auto" else f", tree of {args.tree} nodes" if args.tree else "") +
           f", max_new_tokens {args.max_new_tokens}, temperature {sampling.temperature}",
           file=sys.stderr)
     results = run_bench(decoder, tokenizer, stops, datasets, args.max_new_tokens, sampling, args.seed,
@@ -142,7 +144,9 @@ def bench_main(args: argparse.Namespace) -> int:
             "dtype": args.dtype, "prompts_dir": str(prompts_dir), "datasets": names,
             "max_samples": args.max_samples, "block_size": decoder.block_size,
             "max_new_tokens": args.max_new_tokens, "temperature": sampling.temperature,
-            "adaptive_widths": list(args.adaptive), "mesh": args.mesh, "tree_budget": args.tree}
+            "adaptive_widths": list(args.adaptive), "mesh": args.mesh,
+            "tree_budget": 0 if args.tree == "auto" else args.tree,
+            "tree_auto": list(args.tree_budgets) if args.tree == "auto" else []}
     paths = write_report(results, out_dir, meta)
     print(markdown_table(results))
     print()

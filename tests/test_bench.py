@@ -366,10 +366,11 @@ def test_bench_on_a_tiny_hf_target_with_chat_template(tmp_path, capsys):
     assert second["prompt_tokens"] > first["prompt_tokens"] + first["dflash"]["tokens"] - 1
 
 
-@pytest.mark.parametrize("tree", [0, 6])
+@pytest.mark.parametrize("tree", [0, 6, "auto"])
 def test_bench_on_a_prompt_file(tmp_path, tree):
     """--prompt-file runs your own prompts (here: story openings on the shipped stories260K) as a dataset; with
-    --tree the rounds verify a tree (the answers still equal the baseline's)."""
+    --tree the rounds verify a tree (the answers still equal the baseline's); with --tree auto the report
+    counts every round under the budget it ran (0: the chain)."""
     from dflash_jax.assets import DEMO_TARGET
     from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft
     from dflash_jax.models.config import TargetConfig
@@ -383,10 +384,16 @@ def test_bench_on_a_prompt_file(tmp_path, tree):
     with contextlib.redirect_stdout(io.StringIO()):
         rc = bench_cli.main(["--target", str(DEMO_TARGET), "--ckpt", str(draft), "--prompt-file", str(prompts),
                              "--max-new-tokens", "12", "--no-chat-template", "--out", str(tmp_path / "out")]
-                            + (["--tree", str(tree)] if tree else []))
+                            + (["--tree", str(tree)] if tree else [])
+                            + (["--tree-budgets", "4,8"] if tree == "auto" else []))
     assert rc == 0
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert doc["meta"]["tree_budget"] == tree
+    assert doc["meta"]["tree_budget"] == (0 if tree == "auto" else tree)
+    if tree == "auto":
+        assert doc["meta"]["tree_auto"] == [4, 8]
+        rounds = sum(len(r["accept_lengths"]) for r in doc["turns"])
+        per_budget = doc["summary"]["openings"]["tree_auto"]["rounds_per_budget"]
+        assert set(per_budget) <= {"0", "4", "8"} and sum(per_budget.values()) == rounds > 0
     assert list(doc["summary"]) == ["openings"] and doc["summary"]["openings"]["samples"] == 2
     assert doc["summary"]["openings"]["identical"] == 1.0
 

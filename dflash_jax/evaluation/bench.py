@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dflash_jax.engine.adaptive import rounds_per_width, verify_widths
+from dflash_jax.engine.adaptive import rounds_per_width, tree_budget_summary, verify_widths
 from dflash_jax.engine.decoder import encode_conversation
 from dflash_jax.engine.generate import programs_compiled, prompt_buckets
 from dflash_jax.engine.sampling import SamplingConfig
@@ -89,6 +89,9 @@ def summarize_dataset(rows: list[dict], block_size: int, greedy: bool) -> dict:
         # adaptive block size: rounds taken at each verify width
         **({"rounds_per_width": {str(w): n for w, n in rounds_per_width(r["widths"] for r in done).items()}}
            if any("widths" in r for r in done) else {}),
+        # --tree auto: rounds per tree budget (0: the chain), the chain's share, the mean budget
+        **({"tree_auto": tree_budget_summary(r["tree_budgets"] for r in done)}
+           if any("tree_budgets" in r for r in done) else {}),
         "output_tokens": sum(r["dflash"]["tokens"] for r in done),
         "identical": _mean([float(r["identical"]) for r in done]) if greedy else None,
     }
@@ -227,7 +230,8 @@ def run_bench(
                             "baseline": _run_row(base),
                             "dflash": _run_row(flash),
                             "accept_lengths": [int(a) for a in flash.accept_lengths[0]],
-                            **({"widths": [int(w) for w in flash.widths[0]]} if flash.widths is not None else {}),
+                            **({("tree_budgets" if decoder.tree_auto else "widths"): [int(w) for w in flash.widths[0]]}
+                               if flash.widths is not None else {}),
                             "identical": (flash.tokens[0] == base.tokens[0]) if greedy else None,
                         })
                         if replay:
@@ -304,6 +308,11 @@ def markdown_table(results: dict) -> str:
     if widths:
         lines += ["", "Adaptive block size, rounds per verify width: " + "; ".join(
             f"{name} " + ", ".join(f"{w}: {n}" for w, n in counts.items()) for name, counts in widths.items())]
+    trees = {name: s["tree_auto"] for name, s in results["summary"].items() if "tree_auto" in s}
+    if trees:
+        lines += ["", "Tree auto, mean budget (nodes per round, a chain round 0) and the chain's share of rounds: " +
+                  "; ".join(f"{name} {_fmt(t['mean_budget'], '.1f')}, chain {_fmt(100 * t['chain_share'], '.0f', '%')}"
+                            for name, t in trees.items())]
     replays = {name: s["replay"] for name, s in results["summary"].items() if "replay" in s}
     if replays:
         lines += ["", "Replay on the teacher-forced acceptance, speedup over autoregressive rounds at the measured "
