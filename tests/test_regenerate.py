@@ -219,7 +219,9 @@ def test_bad_input_is_one_error_line_naming_the_file(setup, tmp_path, capsys):
         assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
     assert main(["regenerate", "--help"]) == 0
     help_text = capsys.readouterr().out
-    for flag in ("--data", "--out", "--stop-token", "--shard-size", "--thinking", "--no-chat-template", "--limit"):
+    for flag in ("--data", "--out", "--stop-token", "--shard-size", "--thinking", "--no-chat-template", "--limit",
+                 "--server", "--concurrency", "--chat-template-kwargs", "--api-key-env", "--max-retries",
+                 "--coordinator", "--num-processes", "--process-id", "--distributed"):
         assert flag in help_text
 
 

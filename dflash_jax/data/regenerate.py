@@ -17,6 +17,10 @@ exactly what an uninterrupted one would have.
 
 A turn whose prompt plus ``max_new_tokens`` does not fit the target's positions, or whose answer is empty,
 ends that conversation; an example with no answered turn is left out (and reported).
+
+Several processes (``jax.distributed``) share one output directory, each answering its own shards on its own
+devices (``regenerate(..., processes=...)``). :mod:`dflash_jax.data.server_regenerate` writes the same
+directory through an OpenAI-compatible server, with the shard, resume and settings machinery here.
 """
 
 from __future__ import annotations
