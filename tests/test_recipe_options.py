@@ -163,9 +163,10 @@ def test_muon_takes_the_drafts_dense_kernels_only():
 
 
 def test_prefix_prior_matches_the_truncated_geometric_pmf():
-    """200,000 draws (fixed keys) against ``Pr(l) ~ 0.9**l`` on 2..15: chi-square p-value above 1e-3; and
-    the pmf itself against its definition written out."""
-    lo, hi = prefix_range(16)
+    """200,000 draws (fixed keys) against ``Pr(l) ~ 0.9**l`` on 2..15 (NeMo's range): chi-square p-value
+    above 1e-3; and the pmf itself against its definition written out."""
+    assert prefix_range(16) == (1, 15)
+    lo, hi = prefix_range(16, prefix_min=2)
     assert (lo, hi) == (2, 15)
     pmf = prefix_pmf(lo, hi, 0.9)
     raw = np.array([0.9 ** l for l in range(2, 16)])
@@ -222,6 +223,14 @@ def test_variable_prefix_blocks_equal_brute_force(vp_setup):
     tokens, loss_mask, lengths = (np.asarray(batch[k]) for k in ("tokens", "loss_mask", "lengths"))
     block, mask_id, gamma = 8, 96, 4.0
     n = tokens.shape[0]
+
+    @jax.jit
+    def device(anchors, valid, prefix, logits):
+        blk, _, labels, lmask = block_labels(batch["tokens"], batch["loss_mask"], batch["lengths"], anchors, valid,
+                                             block, mask_token_id=mask_id)
+        vblk, vmask = visible_prefix(blk, labels, lmask, prefix)
+        return vblk, vmask, labels, block_loss_sums(logits, labels, vmask, LossSpec(gamma), prefix=prefix)
+
     for seed in range(3):
         row_keys = jax.random.split(jax.random.PRNGKey(seed), n)
         anchors, valid = sample_row_anchors(row_keys, batch["loss_mask"], batch["lengths"], 6)
@@ -231,17 +240,14 @@ def test_variable_prefix_blocks_equal_brute_force(vp_setup):
             last = int(lengths[1]) - 3
             anchors = anchors.at[1, 0].set(last)
             valid = valid.at[1, 0].set(bool(loss_mask[1, last] and loss_mask[1, last + 1]))
-        blk, bpos, labels, lmask = block_labels(batch["tokens"], batch["loss_mask"], batch["lengths"], anchors,
-                                                valid, block, mask_token_id=mask_id)
-        vblk, vmask = visible_prefix(blk, labels, lmask, prefix)
+        logits = jax.random.normal(jax.random.PRNGKey(10 + seed), (n, 6, block - 1, 97)) * 3
+        vblk, vmask, labels, sums = device(anchors, valid, prefix, logits)
         ref_blk, ref_sup, ref_w = brute_force_blocks(tokens, loss_mask, lengths, np.asarray(anchors),
                                                      np.asarray(valid), np.asarray(prefix), block, mask_id, gamma)
         np.testing.assert_array_equal(np.asarray(vblk), ref_blk)
         np.testing.assert_array_equal(np.asarray(vmask), ref_sup)
         assert ref_sup.any() and (np.asarray(vblk)[..., 1:] != mask_id).any()
 
-        logits = jax.random.normal(jax.random.PRNGKey(10 + seed), (n, 6, block - 1, 97)) * 3
-        sums = block_loss_sums(logits, labels, vmask, LossSpec(gamma), prefix=prefix)
         lg = np.asarray(logits, np.float64)
         lab = np.asarray(labels)
         ce = np.log(np.exp(lg).sum(-1)) - np.take_along_axis(lg, lab[..., 1:, None], -1)[..., 0]
@@ -286,7 +292,7 @@ def test_prefix_one_is_the_standard_loss(vp_setup):
 
 
 def test_chunked_variable_prefix_loss_equals_the_unchunked_forward(vp_setup):
-    """The train step's path (prefix drawn inside, carried through padded chunks of 4 and 1) against the dense
+    """The train step's path (prefix drawn inside, carried through chunks of 4 anchors, the last one padded) against the dense
     packed forward on blocks built by the loops above, with the loss written out in NumPy-free JAX from the
     loops' weights. Loss 1e-5 relative, gradients 1e-5 absolute."""
     tc, tp, dc, dp, batch = vp_setup
@@ -313,18 +319,18 @@ def test_chunked_variable_prefix_loss_equals_the_unchunked_forward(vp_setup):
         return jnp.sum(w * ce) / jnp.sum(w)
 
     ref_value, ref_grads = jax.jit(jax.value_and_grad(ref_loss))(dp)
-    for chunk in (4, 1):
-        cfg = StepConfig(feature_layers=dc.target_layer_ids, **{**STEP_KW, "anchor_chunk": chunk},
-                         loss_mode="variable_prefix")
+    cfg = StepConfig(feature_layers=dc.target_layer_ids, **{**STEP_KW, "anchor_chunk": 4},
+                     loss_mode="variable_prefix")
+    assert cfg.num_anchors % cfg.anchor_chunk  # 6 anchors in chunks of 4: the prefix is padded too
 
-        def loss(p):
-            sums = batch_loss_sums(p, tp, batch, key, jnp.arange(n), target, draft, cfg)
-            return sums.objective(0.0) / sums.weight
+    def loss(p):
+        sums = batch_loss_sums(p, tp, batch, key, jnp.arange(n), target, draft, cfg)
+        return sums.objective(0.0) / sums.weight
 
-        value, grads = jax.jit(jax.value_and_grad(loss))(dp)
-        np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-            np.testing.assert_allclose(g, r, atol=1e-5)
+    value, grads = jax.jit(jax.value_and_grad(loss))(dp)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(g, r, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------ config and fit

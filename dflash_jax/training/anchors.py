@@ -127,7 +127,7 @@ def block_labels(tokens: jax.Array, loss_mask: jax.Array, lengths, anchors: jax.
     return block_tokens, positions, labels, label_mask
 
 
-def prefix_range(block_size: int, prefix_min: int = 2, prefix_max: int | None = None) -> tuple[int, int]:
+def prefix_range(block_size: int, prefix_min: int = 1, prefix_max: int | None = None) -> tuple[int, int]:
     """The visible-prefix lengths ``lo .. hi`` a block of ``block_size`` may draw: at most ``B - 1`` (one
     mask position is left to supervise), at least 1 (the anchor alone: the standard block)."""
     hi = block_size - 1 if prefix_max is None else min(prefix_max, block_size - 1)

@@ -92,8 +92,9 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
                                           "masked suffix is supervised, the decay restarting at l)"),
         "prefix_base": (0.9, (float, int), "loss_mode variable_prefix: Pr(l) proportional to prefix_base**l "
                                            "(below 1 favours short prefixes)"),
-        "prefix_min": (2, (int,), "loss_mode variable_prefix: shortest visible prefix l, the anchor included "
-                                  "(1 admits the standard block)"),
+        "prefix_min": (1, (int,), "loss_mode variable_prefix: shortest visible prefix l, the anchor included "
+                                  "(1: the standard block, the one this engine drafts, is among the draws; "
+                                  "NeMo AutoModel's trainer starts at 2)"),
         "prefix_max": (None, (int,), "loss_mode variable_prefix: longest visible prefix l (default: block_size-1, "
                                      "leaving one position to supervise)"),
         "optimizer": ("adamw", (str,), "adamw, or muon (optax's Muon for the draft's weight matrices, AdamW for "

@@ -63,7 +63,7 @@ class StepConfig:
     selector_weight: float = 1.0  # DFlash2 drafts: the selector's cross-entropy beside the block loss
     loss_mode: str = "standard"  # "standard" (anchor + masks) or "variable_prefix" (D2SD, anchors.visible_prefix)
     prefix_base: float = 0.9  # variable_prefix: Pr(l) proportional to prefix_base**l (D2SD's and NeMo's 0.9)
-    prefix_min: int = 2  # variable_prefix: shortest visible prefix, the anchor included (clipped to B-1)
+    prefix_min: int = 1  # variable_prefix: shortest visible prefix, the anchor included (1: the standard block)
     prefix_max: int | None = None  # variable_prefix: longest visible prefix (None: B-1)
 
     def __post_init__(self):
