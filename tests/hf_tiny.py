@@ -119,13 +119,14 @@ def hf_forward(hf_model, ids):
     return out.logits[0].numpy(), [h[0].numpy() for h in out.hidden_states]
 
 
-def hf_greedy(hf_model, prompt, max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation of ``prompt``: exactly ``max_new_tokens`` tokens (no early stop)."""
+def hf_greedy(hf_model, prompt, max_new_tokens: int, pad_token_id: int = 0) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: exactly ``max_new_tokens`` tokens (no early stop).
+    ``pad_token_id`` must not occur in the prompt (generate would mask it out)."""
     import torch
 
     with torch.no_grad():
         out = hf_model.generate(torch.tensor(prompt)[None], max_new_tokens=max_new_tokens, do_sample=False,
-                                min_new_tokens=max_new_tokens, pad_token_id=0)
+                                min_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
     return out[0, len(prompt):].tolist()
 
 
@@ -160,3 +161,31 @@ def worst_errors(config, params, hf_model, rows, apply=None) -> tuple[float, flo
         for i in range(config.num_hidden_layers):
             worst_feat = max(worst_feat, scaled_error(feats[b, : len(r), i], ref_hidden[i + 1]))
     return worst_logit, worst_feat
+
+
+# Muse Glimmer (tests/test_muse_glimmer*.py): 4 layers, three sliding (window 4, shorter than the prompts) and the
+# last full (transformers' 3:1 default); ``layer_rope_theta`` [1e4, 0, 5e3, 0]: no RoPE on the full layer and on
+# one sliding layer, and a per-layer theta that transformers reads only as a flag. A soft-cap of 0.3 bends these
+# random logits (after the default output_multiplier they are about 0.2 x their raw size).
+MUSE_VOCAB = 300
+MUSE_TEXT = dict(vocab_size=MUSE_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+                 max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                 layer_rope_theta=[1e4, 0, 5e3, 0], attention_bias=True, final_logit_softcapping=0.3,
+                 eos_token_id=None, bos_token_id=None, pad_token_id=None)
+MUSE_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                   pos_emb_height=4, pos_emb_width=4)
+
+
+def make_hf_muse_glimmer(out_dir: Path, seed: int = 0, **text):
+    """transformers' tiny random ``MuseGlimmerForConditionalGeneration`` (a tiny vision tower beside the language
+    model), every weight away from its init, saved to ``out_dir``."""
+    import torch
+    import transformers
+
+    cfg = transformers.MuseGlimmerConfig(text_config={**MUSE_TEXT, **text}, vision_config=MUSE_VISION,
+                                         out_hidden_size=128, projector_hidden_size=32)
+    torch.manual_seed(seed)
+    model = randomise(transformers.MuseGlimmerForConditionalGeneration(cfg).eval())
+    model.save_pretrained(out_dir)
+    return model

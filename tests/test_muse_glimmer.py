@@ -41,29 +41,14 @@ from dflash_jax.models.config import ConfigError, TargetConfig  # noqa: E402
 from dflash_jax.models.draft_config import DraftConfig  # noqa: E402
 from draft_tiny import official_config  # noqa: E402
 from hf_tiny import (  # noqa: E402
-    batched_forward, hf_forward, hf_greedy, overridden, prompts, randomise, scaled_error, worst_errors,
+    MUSE_TEXT, MUSE_VISION, MUSE_VOCAB, batched_forward, hf_forward, hf_greedy, make_hf_muse_glimmer, overridden,
+    prompts, scaled_error, worst_errors,
 )
 
 TOL = 1e-4
-VOCAB = 300
-WINDOW = 4
-TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=256,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, layer_rope_theta=[1e4, 0, 5e3, 0],
-            attention_bias=True, final_logit_softcapping=0.3, eos_token_id=None, bos_token_id=None,
-            pad_token_id=None)
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, pos_emb_height=4,
-              pos_emb_width=4)
-
-
-def make_hf_muse_glimmer(out_dir, seed=0, **text):
-    """transformers' tiny random Muse Glimmer, every weight away from its init, saved to ``out_dir``."""
-    cfg = transformers.MuseGlimmerConfig(text_config={**TEXT, **text}, vision_config=VISION, out_hidden_size=128,
-                                         projector_hidden_size=32)
-    torch.manual_seed(seed)
-    model = randomise(transformers.MuseGlimmerForConditionalGeneration(cfg).eval())
-    model.save_pretrained(out_dir)
-    return model
+VOCAB = MUSE_VOCAB
+WINDOW = MUSE_TEXT["sliding_window"]
+TEXT, VISION = MUSE_TEXT, MUSE_VISION
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,29 @@ from dflash_jax.checkpoints.safetensors_io import (
     save_tensors,
 )
 from dflash_jax.models.draft import DraftModel, SharedHead, init_draft_cache
-from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.draft_config import MUSE_ASSISTANT, DraftConfig, is_muse_assistant_config
 from dflash_jax.models.init import random_params
 from dflash_jax.precision import resolve_dtype
 
 
+# Meta's drafter (``MuseGlimmerAssistantModel``) names the feature fusion ``encoder.fc`` and
+# ``encoder.output_norm_enc``; every other tensor has the DFlash name.
+MUSE_ASSISTANT_NAMES = {"fc": "encoder.fc", "hidden_norm": "encoder.output_norm_enc"}
+# Fields of an original config.json kept when a draft is written in the other layout.
+LAYOUT_NEUTRAL_FIELDS = ("transformers_version", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def draft_key_of(path: tuple[str, ...]) -> str:
     return param_path_to_key(path)[0]
+
+
+def muse_assistant_key_of(path: tuple[str, ...]) -> str:
+    return param_path_to_key((MUSE_ASSISTANT_NAMES.get(path[0], path[0]),) + tuple(path[1:]))[0]
+
+
+def key_map(config: DraftConfig):
+    """The stored name of each draft param in ``config``'s layout."""
+    return muse_assistant_key_of if config.layout == MUSE_ASSISTANT else draft_key_of
 
 
 def abstract_draft_params(config: DraftConfig, dtype: Any = jnp.float32) -> dict:
@@ -40,7 +56,10 @@ def abstract_draft_params(config: DraftConfig, dtype: Any = jnp.float32) -> dict
     feats = jnp.zeros((b, 1, config.num_features * config.hidden_size), dtype)
 
     def init():  # everything inside eval_shape: the [vocab, hidden] table must not be allocated for real
-        shared = SharedHead(jnp.zeros((config.vocab_size, config.hidden_size), dtype), None)
+        # a stand-in for the target's table (a DFlash draft's params do not depend on its size; Meta's drafter
+        # does not record it: vocab_size 0)
+        rows = max(config.vocab_size, config.mask_token_id + 1)
+        shared = SharedHead(jnp.zeros((rows, config.hidden_size), dtype), None)
         cache = init_draft_cache(config, b, 4, dtype)
         return model.init(jax.random.PRNGKey(0), tokens, tokens, feats, tokens[:, :1], tokens[:, :1] >= 0,
                           cache, shared)
@@ -70,13 +89,14 @@ def load_draft(path: str | Path, dtype: Any = None, progress: bool = False) -> t
         )
     dtype = resolve_dtype(dtype) if dtype is not None else None
     abstract = abstract_draft_params(config, dtype or jnp.float32)
-    params = load_params(source, abstract, draft_key_of, dtype=dtype, progress=progress)
+    params = load_params(source, abstract, key_map(config), dtype=dtype, progress=progress)
     return config, params
 
 
 def save_draft(config: DraftConfig, params: dict, out_dir: str | Path, dtype: Any = None,
                extra_config: dict | None = None) -> Path:
-    """Export to the official layout; ``dtype`` (e.g. ``"bfloat16"``) casts on the way out.
+    """Export in the draft's layout (``config.layout``: the official DFlash one, or Meta's
+    ``MuseGlimmerAssistantModel``); ``dtype`` (e.g. ``"bfloat16"``) casts on the way out.
 
     ``extra_config`` holds fields of the original ``config.json`` this project does not model (``auto_map``
     for ``trust_remote_code`` loading, ``transformers_version``, ...); they are kept, and every field the
@@ -84,11 +104,15 @@ def save_draft(config: DraftConfig, params: dict, out_dir: str | Path, dtype: An
     out_dir = Path(out_dir)
     config.warn_if_last_layer(f"exporting the draft to {out_dir}")
     dtype = resolve_dtype(dtype) if dtype is not None else None
-    tensors = params_to_tensors(params, draft_key_of, dtype=dtype)
+    official = config.to_official_dict()  # first: a layout it has no exact form in is refused before writing
+    tensors = params_to_tensors(params, key_map(config), dtype=dtype)
     save_tensors(tensors, out_dir)
-    official = config.to_official_dict()
-    cfg = {**(extra_config or {}), **official}
-    cfg["dflash_config"] = {**((extra_config or {}).get("dflash_config") or {}), **official["dflash_config"]}
+    extra = dict(extra_config or {})
+    if is_muse_assistant_config(extra) != (config.layout == MUSE_ASSISTANT):  # the original was the other layout:
+        extra = {k: v for k, v in extra.items() if k in LAYOUT_NEUTRAL_FIELDS}  # its own fields do not carry over
+    cfg = {**extra, **official}
+    if "dflash_config" in official:
+        cfg["dflash_config"] = {**(extra.get("dflash_config") or {}), **official["dflash_config"]}
     cfg["torch_dtype"] = str(next(iter(tensors.values())).dtype)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     return out_dir

@@ -28,6 +28,22 @@ MAX_BLOCK_SIZE = 1024
 DFLASH2 = "DFlash2DraftModel"
 DRAFT_ARCHITECTURES = ("DFlashDraftModel", DFLASH2)
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # all required
+# Meta's DFlash drafter for Muse Glimmer (transformers' ``MuseGlimmerAssistantModel``, SPEC 11.2a): the same
+# network as a DFlash draft, in its own config and tensor names. ``DraftConfig.layout`` says which of the two
+# layouts a draft is read from and written back in.
+MUSE_ASSISTANT = "muse_glimmer_assistant"
+MUSE_ASSISTANT_ARCHITECTURE = "MuseGlimmerAssistantModel"
+LAYOUTS = ("dflash", MUSE_ASSISTANT)
+# ``MuseGlimmerAssistantConfig``'s defaults (the released 30B drafter's values) for fields a config leaves out.
+MUSE_ASSISTANT_DEFAULTS = {"block_size": 16, "mask_token_id": 201818, "target_layer_ids": [1, 13, 25, 37, 49],
+                           "sliding_window": 2048, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                           "rope_theta": 500000.0}
+
+
+def is_muse_assistant_config(cfg: Mapping[str, Any]) -> bool:
+    architectures = cfg.get("architectures") or []
+    return cfg.get("model_type") == MUSE_ASSISTANT or (
+        isinstance(architectures, list) and MUSE_ASSISTANT_ARCHITECTURE in architectures)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -72,6 +88,10 @@ class DraftConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    # "dflash": the official DFlash / DFlash2 layout; MUSE_ASSISTANT: Meta's drafter, whose config records
+    # neither the target's layer count nor its vocabulary (``num_target_layers`` and ``vocab_size`` are 0 then:
+    # unknown, taken from the target where an export to the DFlash layout needs them).
+    layout: str = "dflash"
 
     @property
     def dflash2(self) -> bool:
@@ -108,6 +128,8 @@ class DraftConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "draft config") -> "DraftConfig":
+        if is_muse_assistant_config(cfg):
+            return cls._from_muse_assistant(cfg, source)
         nested = cfg.get("dflash_config") or {}
         if not isinstance(nested, Mapping):
             raise ConfigError(f"{source}: 'dflash_config' must be an object")
@@ -215,13 +237,114 @@ class DraftConfig:
         )
 
     @classmethod
+    def _from_muse_assistant(cls, cfg: Mapping[str, Any], source: str) -> "DraftConfig":
+        """Meta's ``MuseGlimmerAssistantConfig`` as the DFlash draft it is (SPEC 11.2a/c): top-level
+        ``block_size``, ``mask_token_id`` and ``target_layer_ids``; every layer bidirectional inside the block;
+        its sliding layers see keys with ``|q_pos - k_pos| <= sliding_window`` (transformers' bidirectional
+        sliding mask includes the edge), which is this project's strict window of ``sliding_window + 1``."""
+        if cfg.get("dflash_config") is not None:
+            raise ConfigError(f"{source}: a {MUSE_ASSISTANT} config keeps block_size, mask_token_id and "
+                              "target_layer_ids at the top level; it has no 'dflash_config'")
+        d = {**MUSE_ASSISTANT_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+        layers = int_field(d, "num_hidden_layers", source, 5, maximum=MAX_LAYERS)
+        window = int_field(d, "sliding_window", source, minimum=1)
+        rope = dict(cfg.get("rope_parameters") or {}) if isinstance(cfg.get("rope_parameters"), Mapping) else \
+            cfg.get("rope_parameters")
+        if isinstance(rope, dict):  # transformers fills the class's default_theta (500000) when absent
+            rope.setdefault("rope_theta", d["rope_theta"])
+            rope.setdefault("rope_type", "default")
+        official = {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            **{k: d[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                 "intermediate_size", "rms_norm_eps", "max_position_embeddings", "hidden_act")
+               if k in d},
+            "num_hidden_layers": layers, "attention_bias": False,
+            "layer_types": d.get("layer_types") or ["sliding_attention"] * layers,
+            "sliding_window": window + 1, "use_sliding_window": True, "is_causal": False,
+            "rope_parameters": rope if rope is not None else {"rope_type": "default", "rope_theta": d["rope_theta"]},
+            "vocab_size": 1, "num_target_layers": 1, "block_size": d["block_size"],  # vocab, layers: placeholders
+            "dflash_config": {"target_layer_ids": d["target_layer_ids"], "mask_token_id": d["mask_token_id"]},
+        }
+        parsed = cls.from_dict(official, source)
+        return dataclasses.replace(parsed, layout=MUSE_ASSISTANT, num_target_layers=0, vocab_size=0)
+
+    def muse_assistant_refusal(self) -> str | None:
+        """Why this draft has no exact ``MuseGlimmerAssistantModel`` form (SPEC 11.2c), or None."""
+        if self.dflash2:
+            return ("it is a DFlash2 draft: its block convolutions and candidate selector have no counterpart in "
+                    "MuseGlimmerAssistantModel")
+        if self.attention_bias:
+            return "it has attention biases (attention_bias true); MuseGlimmerAssistantModel has none"
+        for name, value, plain in (("input_embedding_scale", self.input_embedding_scale, 1.0),
+                                   ("output_multiplier", self.output_multiplier, 1.0),
+                                   ("final_logit_softcapping", self.final_logit_softcapping, None)):
+            if value != plain:
+                return (f"it sets {name} {value}; transformers' DFlash generator embeds the raw rows and reads the "
+                        "raw head logits (no such setting)")
+        if self.context_injection != "every_layer":
+            return f"its context_injection is {self.context_injection!r} (MuseGlimmerAssistantModel: every_layer)"
+        causal = [i for i, c in enumerate(self.layer_causal) if c]
+        if causal:
+            return (f"its layers {causal} are causal inside the block (is_causal / sliding layers without "
+                    "is_causal: false); every MuseGlimmerAssistantModel layer is bidirectional")
+        sliding = [i for i, t in enumerate(self.layer_types) if t == "sliding_attention"]
+        if sliding and (self.sliding_window is None or self.sliding_window < 2):
+            return (f"its sliding layers {sliding} have window {self.sliding_window}; MuseGlimmerAssistantModel's "
+                    "window includes its edge (|q - k| <= w), so it needs a window of at least 2 here")
+        return None
+
+    def to_muse_assistant_dict(self) -> dict[str, Any]:
+        """Meta's ``config.json`` layout (``MuseGlimmerAssistantConfig``); a ConfigError naming the reason for a
+        draft that has no exact form there (``muse_assistant_refusal``)."""
+        refusal = self.muse_assistant_refusal()
+        if refusal is not None:
+            raise ConfigError(f"this draft cannot be written as a {MUSE_ASSISTANT} exactly: {refusal}")
+        rope = rope_to_hf(self.rope)
+        return {
+            "architectures": [MUSE_ASSISTANT_ARCHITECTURE], "model_type": MUSE_ASSISTANT,
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps, "max_position_embeddings": self.max_position_embeddings,
+            "rope_parameters": {"rope_type": self.rope.rope_type, "rope_theta": self.rope.theta,
+                                **{k: v for k, v in (rope["rope_scaling"] or {}).items() if k != "rope_type"}},
+            "layer_types": list(self.layer_types), "attention_dropout": 0.0,
+            # the inclusive edge: this project's strict window w is Meta's w - 1 (transformers' default when
+            # no layer slides, where it is unused)
+            "sliding_window": self.sliding_window - 1 if self.sliding_window is not None else
+            MUSE_ASSISTANT_DEFAULTS["sliding_window"],
+            "block_size": self.block_size, "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+
+    def with_layout(self, layout: str, target: TargetConfig | None = None) -> "DraftConfig":
+        """This draft in the other layout (exact, or a ConfigError naming why not). Meta's config records
+        neither ``num_target_layers`` nor ``vocab_size``: going to the DFlash layout from it needs ``target``."""
+        if layout not in LAYOUTS:
+            raise ConfigError(f"draft layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if layout == MUSE_ASSISTANT:
+            self.to_muse_assistant_dict()  # raises when inexact
+            return dataclasses.replace(self, layout=layout)
+        if self.num_target_layers and self.vocab_size:
+            return dataclasses.replace(self, layout=layout)
+        if target is None:
+            raise ConfigError(f"a {MUSE_ASSISTANT} config records neither num_target_layers nor vocab_size, which "
+                              "the DFlash layout states: give the target (its config.json) to take them from")
+        self.validate_against(target)
+        return dataclasses.replace(self, layout=layout, num_target_layers=target.num_hidden_layers,
+                                   vocab_size=target.vocab_size)
+
+    @classmethod
     def from_json(cls, path: str | Path) -> "DraftConfig":
         path, cfg = read_config_json(path, "draft config")
         return cls.from_dict(cfg, source=str(path))
 
     def to_official_dict(self) -> dict[str, Any]:
-        """The official ``config.json`` layout (``architectures: [DFlashDraftModel]`` or ``[DFlash2DraftModel]``,
-        nested ``dflash_config``)."""
+        """The ``config.json`` of this draft's own layout: the official DFlash one (``architectures:
+        [DFlashDraftModel]`` or ``[DFlash2DraftModel]``, nested ``dflash_config``) or Meta's
+        (``to_muse_assistant_dict``)."""
+        if self.layout == MUSE_ASSISTANT:
+            return self.to_muse_assistant_dict()
         out: dict[str, Any] = {
             "architectures": [DFLASH2 if self.dflash2 else "DFlashDraftModel"],
             "model_type": self.model_type,
@@ -299,7 +422,7 @@ class DraftConfig:
                 f"{source}: mask_token_id {self.mask_token_id} is outside the target's embedding table "
                 f"(vocab_size {target.vocab_size})"
             )
-        if self.num_target_layers != target.num_hidden_layers:
+        if self.num_target_layers and self.num_target_layers != target.num_hidden_layers:  # 0: not recorded
             raise ConfigError(
                 f"{source}: num_target_layers {self.num_target_layers} != target num_hidden_layers "
                 f"{target.num_hidden_layers}"
