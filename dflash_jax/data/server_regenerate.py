@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
-from dflash_jax.data.formats import Example, PlainText
+from dflash_jax.data.formats import Example, PlainText, shard_path
 from dflash_jax.data.regenerate import (
     RegenerateStats, _end, _job, _Job, _Progress, _result_row, batch_seed, check_run_args, common_settings,
     prepare_out_dir, start_shards, write_shard,
@@ -323,12 +323,6 @@ def regenerate_via_server(examples: Sequence[Example], out_dir: str | Path, opti
         if unanswered:
             with atomic_write(report) as f:
                 f.write((json.dumps(unanswered, indent=1) + "\n").encode())
-        elif report.exists() and not pending_left(out_dir, stats):
-            report.unlink()
+        elif report.exists() and all(shard_path(out_dir, k).is_file() for k in range(stats.shards)):
+            report.unlink()  # an earlier run's list, all answered now
     return stats, unanswered
-
-
-def pending_left(out_dir: Path, stats: RegenerateStats) -> bool:
-    from dflash_jax.data.formats import shard_path
-
-    return any(not shard_path(out_dir, k).is_file() for k in range(stats.shards))
