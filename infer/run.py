@@ -66,6 +66,11 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
                              "autoregressive rounds, no draft forward, with occasional probes); the output is "
                              "unchanged")
     add_tree_args(parser)
+    parser.add_argument("--block-verify", action="store_true",
+                        help="with --temperature > 0: verify each sampled draft block as a whole (Sun et al.'s "
+                             "block verification) instead of token by token; the same target distribution, never "
+                             "fewer accepted drafts in expectation; pays where the drafts are sampled (a DFlash2 "
+                             "selector's walk, a DFlash draft's marginals), not for trees")
     parser.add_argument("--draft-window", type=int, metavar="N",
                         help="bound every draft layer's context to the last N positions before each query (beyond "
                              "the official code; default: the draft's own layers, sliding ones keep their window): "
@@ -170,7 +175,7 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
     tree = tree_settings(args, draft_config is not None, adaptive)
     decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype, mesh,
                       adaptive, attention=getattr(args, "attention", "auto"), draft_window=draft_window,
-                      **tree)
+                      **tree, block_verify=getattr(args, "block_verify", False))
     # EOS ids come from the target's own generation config, whichever tokenizer directory is used.
     return decoder, tokenizer, stop_tokens_of(target_config, tokenizer, tokenizer_dir(target_path))
 

@@ -41,6 +41,7 @@ class Decoder:
     draft_window: int | None = None  # DraftModel.draft_window: every draft layer sees at most this much context
     tree_budget: int = 0  # DecodeSettings.tree_budget: nodes of a verified draft tree per round (0: the chain)
     tree_auto: tuple[int, ...] = ()  # DecodeSettings.tree_auto: the chain or one of these budgets, per phase
+    block_verify: bool = False  # DecodeSettings.block_verify: sampled chains judged as whole blocks
     # (params it was made from, config, params) the engine decodes with: see ``decoding_target``
     _decoding: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -104,7 +105,8 @@ class Decoder:
                                   adaptive_widths=() if baseline else tuple(self.adaptive_widths),
                                   width_costs=() if baseline else tuple(self.width_costs),
                                   attention=self.attention, tree_budget=0 if baseline else self.tree_budget,
-                                  tree_auto=() if baseline else tuple(self.tree_auto))
+                                  tree_auto=() if baseline else tuple(self.tree_auto),
+                                  block_verify=self.block_verify)
         target_config, target_params = self.decoding_target()
         if baseline or not self.has_draft:
             return generate(target_config, target_params, prompts, NoProposer(), NoProposer().init(),

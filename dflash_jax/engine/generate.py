@@ -23,7 +23,7 @@ import numpy as np
 
 from dflash_jax.engine import adaptive
 from dflash_jax.engine import tree as tree_lib
-from dflash_jax.engine.sampling import SamplingConfig, accept_greedy, accept_sampling, select
+from dflash_jax.engine.sampling import SamplingConfig, accept_block, accept_greedy, accept_sampling, select
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.cache import KVCache, LinearState
@@ -61,6 +61,10 @@ class DecodeSettings:
     # one of these budgets, whichever promises the most tokens per unit of time (the rounds' costs measured on
     # the device when the program is compiled, or ``width_costs``: the chain's, then each budget's).
     tree_auto: tuple[int, ...] = ()
+    # Sampled chains: judge the block as a whole (``sampling.accept_block``, Sun et al.'s block verification)
+    # instead of token by token; lossless either way, never fewer tokens in expectation. No effect when greedy
+    # or on trees (their walk samples the target at every node).
+    block_verify: bool = False
 
     def __post_init__(self):
         check_attention_kernel(self.attention)
@@ -249,7 +253,8 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
         probs = draft_probs[:, : width - 1] if draft_probs is not None else None
         if probs is None:  # a deterministic proposal: q is a point mass
             probs = jax.nn.one_hot(d, verify.logits.shape[-1], dtype=jnp.float32)
-        acc = accept_sampling(k_accept, d, probs, verify.logits, settings.sampling)
+        accept = accept_block if settings.block_verify else accept_sampling
+        acc = accept(k_accept, d, probs, verify.logits, settings.sampling)
     a, nxt = acc.num_accepted, acc.next_token
 
     # At most ``width`` new tokens: the accepted drafts, then the target's own next token.

@@ -136,3 +136,47 @@ def accept_sampling(
     mass = residual.sum(-1, keepdims=True)
     residual = jnp.where(mass > 0, residual / jnp.maximum(mass, 1e-38), p_at)
     return Acceptance(num.astype(jnp.int32), sample(key_r, residual).astype(jnp.int32))
+
+
+def accept_block(
+    key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, target_logits: jax.Array, cfg: SamplingConfig
+) -> Acceptance:
+    """Lossless block verification (Sun et al., arXiv 2403.10444, Algorithm 2; SPEC 12.4): the same arguments
+    and result as ``accept_sampling``, but the block is judged as a whole, never accepting fewer tokens in
+    expectation than token-wise rejection. With ``p_j, q_j`` the target's and the draft's distributions at
+    draft position ``j`` (``X_j ~ q_j`` given the drafts before it)::
+
+        a_0 = 1,  a_j = min(1, a_{j-1} p_j(X_j) / q_j(X_j))
+        rho_j = sum_x max(a_j p_{j+1}(x) - q_{j+1}(x), 0),  h_j = rho_j / (rho_j + 1 - a_j)  (j < K),  h_K = a_K
+        tau = the largest j with eta_j <= h_j (eta_j iid uniform; h_0 = 1), keep X_1 .. X_tau
+        next token ~ normalise(max(a_tau p_{tau+1} - q_{tau+1}, 0))   (q_{K+1} = 0: p's bonus)
+
+    Where ``q`` is a point mass (greedy drafts, the oracle) its acceptance has the same distribution as
+    ``accept_sampling``'s; it pays for sampled chains (a DFlash2 selector's T > 0 walk, a DFlash draft sampled
+    from its marginals)."""
+    p = probabilities(target_logits, cfg)
+    b, k = draft_tokens.shape
+    key_u, key_r = jax.random.split(key)
+    p_d = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
+    ratio = p_d / jnp.maximum(q_d, 1e-38)  # q_d > 0: X_j was drawn from q_j
+    weights = [jnp.ones((b,), jnp.float32)]
+    for j in range(k):  # a static K (the block): a_j = min(1, a_{j-1} p_j(X_j) / q_j(X_j))
+        weights.append(jnp.minimum(1.0, weights[-1] * ratio[:, j]))
+    a = jnp.stack(weights, axis=1)  # [B, K + 1]
+    rho = jnp.sum(jnp.maximum(a[:, :k, None] * p[:, :k] - draft_probs, 0.0), axis=-1)  # [B, K]
+    denominator = rho + 1.0 - a[:, :k]
+    # rho = 0 with a = 1 (q equal to p there) cannot stop the block at j: a later position always qualifies
+    # then (h = a = 1 at the end), so h = 0 is the right limit and keeps the residual below non-empty.
+    h = jnp.concatenate([jnp.where(denominator > 1e-12, rho / jnp.maximum(denominator, 1e-12), 0.0), a[:, k:]], axis=1)
+    eta = jax.random.uniform(key_u, (b, k + 1))
+    index = jnp.arange(k + 1, dtype=jnp.int32)[None]
+    num = jnp.max(jnp.where((eta <= h) | (index == 0), index, 0), axis=1)
+    q_pad = jnp.concatenate([draft_probs, jnp.zeros_like(p[:, :1])], axis=1)
+    p_at = jnp.take_along_axis(p, num[:, None, None], axis=1)[:, 0]
+    q_at = jnp.take_along_axis(q_pad, num[:, None, None], axis=1)[:, 0]
+    a_at = jnp.take_along_axis(a, num[:, None], axis=1)
+    residual = jnp.maximum(a_at * p_at - q_at, 0.0)
+    mass = residual.sum(-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.maximum(mass, 1e-38), p_at)
+    return Acceptance(num.astype(jnp.int32), sample(key_r, residual).astype(jnp.int32))
