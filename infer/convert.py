@@ -6,7 +6,10 @@ The direction comes from the input:
   official DFlash layout (servable by the reference code, SGLang and vLLM), a target to a Hugging Face
   directory (loadable by transformers);
 * an official draft directory (``config.json`` with ``architectures: [DFlashDraftModel]``, a
-  ``dflash_config`` or a ``block_size`` field) or a Hugging Face target directory is converted to Orbax.
+  ``dflash_config`` or a ``block_size`` field; or Meta's ``MuseGlimmerAssistantModel`` drafter) or a Hugging
+  Face target directory is converted to Orbax;
+* with ``--layout``, a draft is written in the official DFlash layout or in Meta's drafter layout (exactly, or
+  refused with the reason), from an Orbax checkpoint or straight from a draft directory of the other layout.
 
 Tokenizer and generation files found next to the weights travel along (inside the Orbax directory they sit in
 ``hf_extra/``), so a round trip keeps the tokenizer. The output is written to a temporary sibling directory
@@ -29,13 +32,15 @@ from dflash_jax.checkpoints.loading import EXTRA_DIR, EXTRA_FILES, restore_orbax
 from dflash_jax.checkpoints.safetensors_io import CheckpointError
 from dflash_jax.errors import UserError
 from dflash_jax.fileio import ensure_writable_dir, new_directory, recover_directory, replace_directory
-from dflash_jax.models.config import read_json_object
+from dflash_jax.models.config import TargetConfig, read_json_object
+from dflash_jax.models.draft_config import is_muse_assistant_config
 from infer.cli import Parser, run_cli
 
 PROG = "python -m infer convert"
 DTYPE_CHOICES = ("keep", "float32", "bfloat16")
 KIND_CHOICES = ("auto", "target", "draft")
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
+LAYOUT_CHOICES = ("keep", "dflash", "muse_glimmer_assistant")
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -54,6 +59,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
             f"  {prog} --from orbax/my-draft --to export/my-draft --dtype bfloat16\n"
             f"  {prog} --from hf/Qwen3-8B --to orbax/qwen3-8b --kind target\n"
             f"  {prog} --from z-lab/Qwen3-8B-DFlash-b16 --to orbax/qwen3-8b-draft   (a Hub id)\n"
+            f"  {prog} --from ckpt/Muse-Glimmer-30B-assistant --to export/muse-dflash --layout dflash "
+            "--target hf/Muse-Glimmer-30B\n"
             "Exit codes: 0 success, 2 bad arguments or unusable checkpoint (one 'error: ...' line on stderr)."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -85,6 +92,22 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--dtype", choices=DTYPE_CHOICES, default="keep",
         help="dtype of the written weights: 'keep' (default) keeps the stored dtypes bit for bit; "
              "'float32' or 'bfloat16' casts every tensor.",
+    )
+    parser.add_argument(
+        "--layout", choices=LAYOUT_CHOICES, default="keep",
+        help="drafts only: the layout of a written draft directory. 'keep' (default) writes a draft in the "
+             "layout it was read from. 'dflash' is the official DFlash layout (fc / hidden_norm, nested "
+             "dflash_config); 'muse_glimmer_assistant' is Meta's MuseGlimmerAssistantModel (encoder.fc / "
+             "encoder.output_norm_enc, top-level fields, a window that includes its edge). Converting is exact "
+             "or refused with the reason (a DFlash2 draft, causal layers, an output multiplier or soft-cap, ... "
+             "have no Meta form). With an official or Meta draft directory as --from, a layout other than 'keep' "
+             "writes a draft directory in that layout instead of an Orbax checkpoint.",
+    )
+    parser.add_argument(
+        "--target", metavar="DIR",
+        help="with --layout dflash and one of Meta's drafters: the target checkpoint directory (only its "
+             "config.json is read) whose layer count and vocabulary size the DFlash layout states and Meta's "
+             "config does not.",
     )
     parser.add_argument(
         "--force", action="store_true",
@@ -120,7 +143,8 @@ def is_draft_config(cfg: dict) -> bool:
     archs = cfg.get("architectures") or []
     if isinstance(archs, str):
         archs = [archs]
-    return DRAFT_ARCHITECTURE in archs or "dflash_config" in cfg or "block_size" in cfg
+    return (DRAFT_ARCHITECTURE in archs or "dflash_config" in cfg or "block_size" in cfg
+            or is_muse_assistant_config(cfg))
 
 
 def detect(src: Path, kind: str) -> tuple[str, str]:
@@ -213,9 +237,35 @@ def to_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Namespa
     return f"converted {kind} {src} -> Orbax {shown} ({n} tensors, {dtypes}{extra})"
 
 
+def relayout(config: Any, args: argparse.Namespace) -> Any:
+    """The draft config in ``--layout`` (exact, or a ConfigError naming why not)."""
+    if args.layout == "keep":
+        return config
+    target = None
+    if args.target is not None:
+        target = TargetConfig.from_json(Path(args.target) / "config.json")
+    return config.with_layout(args.layout, target)
+
+
+def draft_to_draft(src: Path, out: Path, dtype: Any, args: argparse.Namespace, shown: Path) -> str:
+    """An official or Meta draft directory rewritten in ``--layout`` (the same tensors under that layout's
+    names)."""
+    from dflash_jax.checkpoints.official_draft import load_draft, save_draft
+
+    config, params = load_draft(src, dtype=dtype, progress=args.progress)
+    config = relayout(config, args)
+    save_draft(config, params, out, extra_config=read_json_object(src / "config.json"))
+    extras = copy_extras(src, out)
+    n, dtypes = _count_and_dtypes(params)
+    extra = f", kept {', '.join(extras)}" if extras else ""
+    return f"converted draft {src} -> {config.layout} layout {shown} ({n} tensors, {dtypes}{extra})"
+
+
 def from_orbax(src: Path, out: Path, kind: str, dtype: Any, args: argparse.Namespace, shown: Path) -> str:
     _say(args, f"reading Orbax checkpoint {src} ...")
     config, params = restore_orbax(src, kind, dtype)
+    if kind == "draft":
+        config = relayout(config, args)
     _say(args, f"writing {'official draft' if kind == 'draft' else 'Hugging Face target'} directory ...")
     if kind == "draft":
         from dflash_jax.checkpoints.official_draft import save_draft
@@ -237,6 +287,10 @@ def convert(args: argparse.Namespace) -> str:
     complete (``dflash_jax.fileio``): an interrupt leaves the old output or the new one, never neither."""
     src, dst = resolve_checkpoint(args.src, args.revision, "--from"), Path(args.dst)
     fmt, kind = detect(src, args.kind)
+    if args.layout != "keep" and kind != "draft":
+        raise UserError(f"--layout {args.layout}: only a draft has a layout; {src} holds a {kind}")
+    if args.target is not None and args.layout != "dflash":
+        raise UserError("--target is only read with --layout dflash (Meta's drafter to the DFlash layout)")
     recover_directory(dst)  # what a killed earlier run left next to --to
     check_output(src, dst, args.force)
     dtype = _dtype(args.dtype)
@@ -246,6 +300,8 @@ def convert(args: argparse.Namespace) -> str:
         out = tmp / "out"  # the writers create their own directory
         if fmt == "orbax":
             summary = from_orbax(src, out, kind, dtype, args, dst)
+        elif kind == "draft" and args.layout != "keep":
+            summary = draft_to_draft(src, out, dtype, args, dst)
         else:
             summary = to_orbax(src, out, kind, dtype, args, dst)
         os.replace(out, tmp / "done")

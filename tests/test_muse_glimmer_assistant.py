@@ -129,3 +129,138 @@ def test_native_dflash_generation_matches_round_by_round(pair, ours):
             proposals, accepted = rounds[i]
             assert drafts[i, : BLOCK - 1].tolist() == proposals, f"row {row} round {i}"
             assert out.accept_lengths[row][i] == accepted + 1, f"row {row} round {i}"
+
+
+def _tensors(directory):
+    with safe_open(str(directory / "model.safetensors"), "np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _convert(*argv):
+    from infer import convert
+
+    assert convert.main([*map(str, argv), "--no-progress"]) == 0
+
+
+def test_conversion_to_the_dflash_layout_and_back_is_exact(pair, tmp_path):
+    """Meta -> DFlash (the target's layer count and vocabulary from its config.json) -> Meta: the same tensors
+    under each layout's names, the same settings (Meta's inclusive window 6 is the DFlash layout's strict 7,
+    stated with is_causal false), and transformers runs the written drafter exactly as the original."""
+    target_dir, drafter_dir, target, drafter = pair
+    _convert("--from", drafter_dir, "--to", tmp_path / "dflash", "--layout", "dflash", "--target", target_dir)
+    original, dflash = _tensors(drafter_dir), _tensors(tmp_path / "dflash")
+    renamed = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+    assert sorted(dflash) == sorted(renamed.get(k, k) for k in original)
+    for key, value in original.items():
+        np.testing.assert_array_equal(dflash[renamed.get(key, key)], value, err_msg=key)
+    cfg = json.loads((tmp_path / "dflash" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["is_causal"] is False
+    assert (cfg["sliding_window"], cfg["use_sliding_window"], cfg["num_target_layers"], cfg["vocab_size"]) == (
+        WINDOW + 1, True, 4, MUSE_VOCAB)
+    assert cfg["dflash_config"] == {"target_layer_ids": [0, 2], "mask_token_id": MUSE_VOCAB - 1}
+    meta = DraftConfig.from_json(drafter_dir / "config.json")
+    assert DraftConfig.from_json(tmp_path / "dflash" / "config.json") == meta.with_layout(
+        "dflash", load_target(target_dir)[0])
+
+    _convert("--from", tmp_path / "dflash", "--to", tmp_path / "meta", "--layout", "muse_glimmer_assistant")
+    back = _tensors(tmp_path / "meta")
+    assert sorted(back) == sorted(original)
+    for key, value in original.items():
+        np.testing.assert_array_equal(back[key], value, err_msg=key)
+    written, given = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "meta", drafter_dir))
+    for key in ("architectures", "model_type", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
+                "layer_types", "rope_parameters", "rms_norm_eps", "num_key_value_heads", "head_dim"):
+        assert written[key] == given[key], key
+    reread = transformers.MuseGlimmerAssistantModel.from_pretrained(tmp_path / "meta").eval()
+    prompt = [11, 42, 7, 250, 99, 3, 17, 88, 120, 64]
+    assert hf_dflash(target, reread, prompt) == hf_dflash(target, drafter, prompt)
+
+
+def test_drafts_without_an_exact_meta_form_are_refused():
+    base = DraftConfig.from_dict(official_config())  # full layers, bidirectional: it has one
+    assert base.with_layout(MUSE_ASSISTANT).to_official_dict()["layer_types"] == ["full_attention"] * 2
+    dflash2 = official_config(architectures=["DFlash2DraftModel"], dflash_config={
+        "target_layer_ids": [0, 2], "mask_token_id": 96, "conv_kernel_size": 2, "conv_group_size": 16,
+        "selector_rank": 8, "selector_top_k": 4})
+    causal = official_config(layer_types=["sliding_attention"] * 2, sliding_window=8)  # no is_causal: causal
+    for cfg, reason in ((dflash2, "DFlash2"), (causal, "causal inside the block"),
+                        (official_config(dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 96,
+                                                        "output_multiplier": 0.5}), "output_multiplier"),
+                        (official_config(attention_bias=True), "attention biases")):
+        with pytest.raises(ConfigError, match=reason):
+            DraftConfig.from_dict(cfg).with_layout(MUSE_ASSISTANT)
+    windowed = DraftConfig.from_dict(official_config(layer_types=["sliding_attention"] * 2, sliding_window=8,
+                                                     is_causal=False)).with_layout(MUSE_ASSISTANT)
+    assert windowed.to_official_dict()["sliding_window"] == 7  # the inclusive edge
+
+
+def test_meta_to_dflash_needs_the_target(pair, tmp_path):
+    from infer import convert
+
+    with pytest.raises(ConfigError, match="num_target_layers nor vocab_size"):
+        DraftConfig.from_json(pair[1] / "config.json").with_layout("dflash")
+    assert convert.main(["--from", str(pair[1]), "--to", str(tmp_path / "x"), "--layout", "dflash",
+                         "--no-progress"]) == 2
+    assert convert.main(["--from", str(pair[0]), "--to", str(tmp_path / "y"), "--layout", "dflash",
+                         "--no-progress"]) == 2  # a target has no layout
+
+
+def test_fine_tuning_from_the_drafter_then_transformers_runs_it(pair, tmp_path, capsys):
+    """``draft.init`` with Meta's drafter directory starts from its weights in its own layout; a short run of
+    the trainer's step on the target's own greedy continuations lifts its acceptance; the draft written back
+    in Meta's layout runs in transformers' native DFlash generation exactly as in ``python -m infer`` (the
+    same tokens and acceptance lengths in every whole-block round), now with drafts accepted."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.data.tokenize import TokenizedData
+    from dflash_jax.engine.proposers import NoProposer
+    from dflash_jax.models.draft import DraftModel
+    from dflash_jax.models.target import TargetModel
+    from dflash_jax.training.step import StepConfig, init_train_state, make_optimizer, make_train_step
+    from dflash_jax.training.trainer import build_draft_config
+    from cli_tiny import write_tokenizer
+    from infer.__main__ import main
+    from train_tiny import STEP_KW, tiny_run_config
+
+    target_dir, drafter_dir, target, _ = pair
+    tc, tp = load_target(target_dir)
+    run = tiny_run_config(target_dir, tmp_path / "run")
+    run["draft"].update({k: None for k in ("num_layers", "block_size", "target_layer_ids")}, init=str(drafter_dir))
+    dc, dp = build_draft_config(run, tc)
+    assert dc.layout == MUSE_ASSISTANT and dc == DraftConfig.from_json(drafter_dir / "config.json")
+    rng = np.random.default_rng(7)
+    starts = [rng.integers(0, MUSE_VOCAB - 1, 3).tolist() for _ in range(4)]
+    gen = generate(tc, tp, starts, NoProposer(), NoProposer().init(), DecodeSettings(max_new_tokens=24)).tokens
+    tokens = np.asarray([s + g for s, g in zip(starts, gen)], np.int32)
+    loss_mask = np.zeros(tokens.shape, bool)
+    loss_mask[:, 3:] = True
+    data = TokenizedData.from_padded(tokens, loss_mask, np.full(len(tokens), tokens.shape[1], np.int32))
+    batch = {k: jnp.asarray(v) for k, v in data.padded_rows().items()}
+    cfg = StepConfig(feature_layers=dc.target_layer_ids, **{**STEP_KW, "block_size": BLOCK,
+                                                            "mask_token_id": dc.mask_token_id})
+    optimizer, _ = make_optimizer(5e-3, total_steps=60, warmup_ratio=0.05)
+    step = jax.jit(make_train_step(TargetModel(tc), DraftModel(dc), cfg, optimizer))
+    state = init_train_state(dp, optimizer, seed=0)
+    for _ in range(60):
+        state, _ = step(state, tp, batch)
+    save_draft(dc, jax.device_get(state.params), tmp_path / "tuned")
+    tuned = transformers.MuseGlimmerAssistantModel.from_pretrained(tmp_path / "tuned").eval()
+    prompt = starts[0] + gen[0][:2]
+    tokens, rounds = hf_dflash(target, tuned, prompt)
+    # ``python -m infer --target DIR --ckpt DRAFTDIR``, as a user would run it
+    write_tokenizer(tmp_path / "tokenizer")  # it decodes the output text; ids are fed as they are
+    capsys.readouterr()
+    assert main(["--target", str(target_dir), "--ckpt", str(tmp_path / "tuned"), "--tokenizer",
+                 str(tmp_path / "tokenizer"), "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens",
+                 str(MAX_NEW), "--json", "--no-compile-cache"]) == 0
+    row = json.loads(capsys.readouterr().out)["results"][0]
+    assert row["tokens"] == tokens == hf_greedy(target, prompt, MAX_NEW, PAD)
+    committed = 1 + np.cumsum([0] + row["accept_lengths"])
+    whole = [i for i, (_, accepted) in enumerate(rounds)
+             if accepted is not None and MAX_NEW - committed[i] + 1 >= BLOCK]
+    assert len(whole) >= 3
+    assert [row["accept_lengths"][i] for i in whole] == [rounds[i][1] + 1 for i in whole]
+    tau = float(np.mean(row["accept_lengths"]))
+    print(f"fine-tuned Meta drafter: tau {tau:.2f}")
+    assert tau > 1.5
