@@ -230,6 +230,7 @@ def test_a_refused_request_is_one_error_naming_the_row(setup, tmp_path, capsys):
     for extra, message in ((["--concurrency", "0"], "--concurrency"),
                            (["--chat-template-kwargs", "[1]"], "--chat-template-kwargs"),
                            (["--target", str(setup[1])], "--target"),
+                           (["--mesh", "data=2", "--num-processes", "2"], "--mesh, --num-processes"),
                            (["--thinking", "--chat-template-kwargs", '{"enable_thinking": false}'], "--thinking")):
         assert main(server_args(setup, tmp_path / "bad", *extra)) == 2
         assert message in capsys.readouterr().err

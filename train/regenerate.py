@@ -120,11 +120,14 @@ def json_object_arg(flag: str, text: str | None) -> dict:
 def server_options(args: argparse.Namespace) -> tuple[ServerOptions, dict]:
     """The server client's options and the chat template kwargs, from the flags."""
     given = [flag for flag, value in (("--target", args.target), ("--ckpt", args.ckpt),
-                                      ("--batch-size", args.batch_size), ("--stop-token", args.stop_token))
+                                      ("--batch-size", args.batch_size), ("--stop-token", args.stop_token),
+                                      ("--mesh", args.mesh), ("--coordinator", args.coordinator),
+                                      ("--num-processes", args.num_processes), ("--process-id", args.process_id),
+                                      ("--distributed", args.distributed or None))
              if value is not None]
     if given:
         raise UsageError(f"{', '.join(given)} cannot be used with --server (the server holds the model and "
-                         "batches the requests)")
+                         "batches the requests: one client with a higher --concurrency keeps it busy)")
     if args.concurrency < 1:
         raise UsageError(f"--concurrency must be at least 1, got {args.concurrency}")
     kwargs = json_object_arg("--chat-template-kwargs", args.chat_template_kwargs)

@@ -382,9 +382,7 @@ def regenerate(decoder: Any, tokenizer: Any, examples: Sequence[Example], out_di
         if index != 0:
             prepare_out_dir(out_dir, settings, mine)
 
-    stats, pending, bar = start_shards(examples, out_dir, shard_size, progress)
-    if mine is not None:
-        pending = [k for k in pending if mine(k)]
+    stats, pending, bar = start_shards(examples, out_dir, shard_size, progress, mine)
     start = time.perf_counter()
     try:
         for k in pending:
@@ -419,15 +417,18 @@ def check_run_args(batch_size: int, shard_size: int, max_new_tokens: int, seed: 
         raise DataError("nothing to regenerate: no examples")
 
 
-def start_shards(examples: Sequence[Example], out_dir: Path, shard_size: int, progress: bool
+def start_shards(examples: Sequence[Example], out_dir: Path, shard_size: int, progress: bool, own: Any = None
                  ) -> tuple[RegenerateStats, list[int], _Progress]:
-    """The statistics, the shards still to write (in order; complete ones are kept, not re-read) and the
-    progress bar of a run into a prepared ``out_dir``: shared by the engine and the server client."""
+    """The statistics, the shards still to write (in order; complete ones are kept, not re-read; only those
+    ``own(k)`` says are this process's) and the progress bar over them, of a run into a prepared ``out_dir``:
+    shared by the engine and the server client."""
     num_shards = -(-len(examples) // shard_size)
-    done = {k for k in range(num_shards) if shard_path(out_dir, k).is_file()}
+    mine = [k for k in range(num_shards) if own is None or own(k)]
+    done = {k for k in mine if shard_path(out_dir, k).is_file()}
     stats = RegenerateStats(examples=len(examples), shards=num_shards, shards_done_before=len(done))
-    initial = sum(len(examples[k * shard_size: (k + 1) * shard_size]) for k in done)
-    return stats, [k for k in range(num_shards) if k not in done], _Progress(len(examples), initial, progress)
+    size = [len(examples[k * shard_size: (k + 1) * shard_size]) for k in range(num_shards)]
+    bar = _Progress(sum(size[k] for k in mine), sum(size[k] for k in done), progress)
+    return stats, [k for k in mine if k not in done], bar
 
 
 def write_shard(out_dir: Path, shard: int, rows: Sequence[dict], stats: RegenerateStats) -> None:
