@@ -161,10 +161,12 @@ def _settings(args: argparse.Namespace) -> dict:
                 "num_anchors": t["num_anchors"], "anchor_chunk": t["anchor_chunk"], "accum_steps": t["accum_steps"],
                 "dtype": t["dtype"], "mesh": cfg["mesh"],
                 "gamma": UNIFORM_GAMMA if t["uniform_loss"] else t["gamma"], "loss": t["loss"],
-                "kl_weight": t["kl_weight"],
+                "kl_weight": t["kl_weight"], "loss_mode": t["loss_mode"],
                 "optimizer": {"learning_rate": t["learning_rate"], "warmup_ratio": t["warmup_ratio"],
                               "clip_norm": t["clip_norm"], "weight_decay": t["weight_decay"],
-                              "min_lr_ratio": t["min_lr_ratio"]}}
+                              "min_lr_ratio": t["min_lr_ratio"], "optimizer": t["optimizer"],
+                              "muon_learning_rate": t["muon_learning_rate"],
+                              "muon_momentum": float(t["muon_momentum"])}}
     s = dict(base)
     for key in ("global_batch", "seq_len", "num_anchors", "anchor_chunk", "accum_steps", "dtype", "mesh", "loss"):
         value = getattr(args, key)
@@ -287,7 +289,8 @@ def plan_main(args: argparse.Namespace) -> int:
     step_cfg = StepConfig(block_size=draft.block_size, gamma=float(s["gamma"]), mask_token_id=draft.mask_token_id,
                           feature_layers=draft.target_layer_ids, num_anchors=s["num_anchors"],
                           anchor_chunk=s["anchor_chunk"], accum_steps=s["accum_steps"],
-                          tied_head=target.tie_word_embeddings, loss=s["loss"], kl_weight=float(s["kl_weight"]))
+                          tied_head=target.tie_word_embeddings, loss=s["loss"], kl_weight=float(s["kl_weight"]),
+                          loss_mode=s.get("loss_mode", "standard"))  # Muon's state (one moment) is planned too
     optimizer, schedule = make_optimizer(total_steps=1000, **s["optimizer"])
     if not args.json:
         shown = ",".join(f"{a}={n}" for a, n in mesh.shape.items())
