@@ -17,12 +17,19 @@ bench() {  # NAME DRAFT_DIR BLOCK: greedy tau on the first 64 held-out openings,
     --max-samples 64 --max-new-tokens 128 --no-chat-template --out "$OUT/bench-$name" > "$OUT/bench-$name.log" 2>&1
 }
 
-summary() {  # one line per benchmark in OUT
+summary() {  # one line per benchmark in OUT; with the run's last logged training loss and position-1 accuracy
   python - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 for bench in sorted(out.glob("bench-*/results.json")):
+    name = bench.parent.name[6:]
     s = json.loads(bench.read_text())["summary"]["heldout"]
-    print(f"{bench.parent.name[6:]:22s} tau {s['tau']:.2f}  identical {s['identical']:.0%}")
+    line = f"{name:22s} tau {s['tau']:.2f}  identical {s['identical']:.0%}"
+    metrics = out / name / "metrics.jsonl"
+    rows = [json.loads(r) for r in metrics.read_text().splitlines() if r.strip()] if metrics.is_file() else []
+    rows = [r for r in rows if "loss" in r]
+    if rows:
+        line += f"  loss {rows[-1]['loss']:.3f}  acc@1 {rows[-1].get('accuracy_per_position/1', float('nan')):.2f}"
+    print(line)
 PY
 }
