@@ -264,3 +264,30 @@ def test_fine_tuning_from_the_drafter_then_transformers_runs_it(pair, tmp_path, 
     tau = float(np.mean(row["accept_lengths"]))
     print(f"fine-tuned Meta drafter: tau {tau:.2f}")
     assert tau > 1.5
+
+
+def test_the_released_pairings_have_the_released_shapes():
+    """configs/: Muse-Glimmer-30B with Meta's drafter and with z-lab's DFlash2 draft. The drafter's tensors, named
+    and shaped as Meta's checkpoint stores them (SPEC 11.2a), and a text decoder of about 28B parameters."""
+    from dflash_jax.checkpoints.hf_target import abstract_target_params
+    from dflash_jax.checkpoints.official_draft import abstract_draft_params, key_map
+    from dflash_jax.checkpoints.safetensors_io import flatten, param_path_to_key
+    from dflash_jax.configs import load_pairing
+
+    meta = load_pairing("muse-glimmer-30b-assistant-b16")
+    stored = {}
+    for path, leaf in flatten(abstract_draft_params(meta.draft)).items():
+        stored[key_map(meta.draft)(path)] = leaf.shape[::-1] if param_path_to_key(path)[1] else leaf.shape
+    assert stored["encoder.fc.weight"] == (6656, 33280) and stored["encoder.output_norm_enc.weight"] == (6656,)
+    assert stored["layers.4.self_attn.q_proj.weight"] == (4096, 6656)
+    assert stored["layers.4.self_attn.k_proj.weight"] == (1024, 6656)
+    assert stored["layers.4.self_attn.k_norm.weight"] == (128,) and stored["norm.weight"] == (6656,)
+    assert stored["layers.0.mlp.down_proj.weight"] == (6656, 19968) and len(stored) == 2 + 11 * 5 + 1
+    assert meta.draft.sliding_window == 2049 and not any(meta.draft.layer_causal)
+    target = meta.target
+    n = sum(int(np.prod(leaf.shape)) for leaf in flatten(abstract_target_params(target)).values())
+    assert 27.5e9 < n < 28.5e9 and target.nope_layers == tuple(range(3, 52, 4))
+    assert target.layer_windows.count(None) == 13 and set(target.layer_windows) == {2048, None}
+    zlab = load_pairing("muse-glimmer-30b-dflash2-b16")
+    assert zlab.target == target and zlab.draft.dflash2 and zlab.draft.block_size == 16
+    assert (zlab.draft.output_multiplier, zlab.draft.final_logit_softcapping) == (target.output_multiplier, 20.0)
