@@ -291,3 +291,25 @@ def test_the_released_pairings_have_the_released_shapes():
     zlab = load_pairing("muse-glimmer-30b-dflash2-b16")
     assert zlab.target == target and zlab.draft.dflash2 and zlab.draft.block_size == 16
     assert (zlab.draft.output_multiplier, zlab.draft.final_logit_softcapping) == (target.output_multiplier, 20.0)
+
+
+@pytest.mark.parametrize("key", ["encoder.output_norm_enc.weight", "encoder.fc.weight",
+                                 "layers.1.self_attn.k_norm.weight"])
+def test_a_drafter_missing_a_tensor_names_file_and_key(pair, key, tmp_path):
+    from safetensors.numpy import save_file
+
+    from dflash_jax.checkpoints.safetensors_io import CheckpointError
+
+    (tmp_path / "config.json").write_text((pair[1] / "config.json").read_text())
+    save_file({k: v for k, v in _tensors(pair[1]).items() if k != key}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=key.replace(".", r"\.")):
+        load_draft(tmp_path)
+
+
+def test_drafter_configs_it_cannot_read_are_refused(pair):
+    given = json.loads((pair[1] / "config.json").read_text())
+    for change, field in (({"dflash_config": {"block_size": 4}}, "dflash_config"),
+                          ({"sliding_window": 0}, "sliding_window"), ({"hidden_act": "gelu"}, "hidden_act"),
+                          ({"layer_types": ["sliding_attention"]}, "layer_types")):
+        with pytest.raises(ConfigError, match=field):
+            DraftConfig.from_dict({**given, **change}, "drafter/config.json")
