@@ -172,14 +172,15 @@ def test_prefix_prior_matches_the_truncated_geometric_pmf():
     raw = np.array([0.9 ** l for l in range(2, 16)])
     np.testing.assert_allclose(pmf, raw / raw.sum(), rtol=1e-12)
     keys = jax.random.split(jax.random.PRNGKey(0), 400)
-    draws = np.asarray(sample_prefix_lengths(keys, 500, lo, hi, 0.9)).ravel()
+    draw = jax.jit(sample_prefix_lengths, static_argnums=(1, 2, 3, 4))
+    draws = np.asarray(draw(keys, 500, lo, hi, 0.9)).ravel()
     assert draws.min() >= lo and draws.max() <= hi
     counts = np.bincount(draws - lo, minlength=hi - lo + 1)
     chi2 = stats.chisquare(counts, pmf * draws.size)
     assert chi2.pvalue > 1e-3, (counts, chi2)
     # A prior that favours long prefixes, clipped range.
     lo, hi = prefix_range(8, prefix_min=3, prefix_max=6)
-    draws = np.asarray(sample_prefix_lengths(keys[:100], 500, lo, hi, 1.5)).ravel()
+    draws = np.asarray(draw(keys[:100], 500, lo, hi, 1.5)).ravel()
     counts = np.bincount(draws - lo, minlength=hi - lo + 1)
     assert stats.chisquare(counts, prefix_pmf(lo, hi, 1.5) * draws.size).pvalue > 1e-3
     assert prefix_range(2) == (1, 1)  # block 2: only the standard block exists
@@ -349,6 +350,19 @@ def test_chunked_variable_prefix_loss_equals_the_unchunked_forward(vp_setup):
 def test_bad_option_values_name_the_key(tmp_path, train, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         tiny_run_config(tmp_path, tmp_path / "out", train=train)
+
+
+def test_fit_help_names_both_options(capsys):
+    from train.__main__ import main as train_main
+
+    try:
+        assert train_main(["fit", "--help"]) == 0
+    except SystemExit as e:  # argparse's own exit, where the CLI does not catch it
+        assert e.code == 0
+    text = capsys.readouterr().out
+    for key in ("train.optimizer", "train.muon_learning_rate", "train.muon_momentum", "train.loss_mode",
+                "train.prefix_base", "train.prefix_min", "train.prefix_max"):
+        assert key in text, key
 
 
 def test_fit_with_muon_and_variable_prefix_learns_and_resumes(tmp_path):

@@ -143,10 +143,11 @@ def prefix_pmf(lo: int, hi: int, base: float) -> np.ndarray:
 
 def sample_prefix_lengths(row_keys: jax.Array, num_anchors: int, lo: int, hi: int, base: float) -> jax.Array:
     """``[N, A]`` int32 visible-prefix lengths, i.i.d. from ``prefix_pmf(lo, hi, base)``, row ``i`` from
-    ``row_keys[i]`` alone (a stream apart from the anchors' draw, which uses the same row key)."""
-    logits = jnp.arange(lo, hi + 1, dtype=jnp.float32) * np.float32(np.log(base))
-    draw = jax.vmap(lambda k: jax.random.categorical(jax.random.fold_in(k, 1), logits, shape=(num_anchors,)))
-    return (draw(row_keys) + lo).astype(jnp.int32)
+    ``row_keys[i]`` alone (a stream apart from the anchors' draw, which uses the same row key). By the inverse
+    CDF of one uniform per block (``jax.random.categorical`` compiled five times slower here)."""
+    cdf = jnp.asarray(np.cumsum(prefix_pmf(lo, hi, base))[:-1], jnp.float32)
+    uniforms = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (num_anchors,)))(row_keys)
+    return (lo + jnp.searchsorted(cdf, uniforms, side="right")).astype(jnp.int32)
 
 
 def visible_prefix(block_tokens: jax.Array, labels: jax.Array, label_mask: jax.Array, prefix: jax.Array):
