@@ -174,16 +174,17 @@ def next_phase(policy: Policy, widths: tuple[int, ...], block: int) -> tuple[jax
 
 
 def calibrate(widths: tuple[int, ...], run_rounds: Callable[[int], tuple[float, int]]) -> np.ndarray:
-    """Relative cost of a round of each width (the full block's is 1): ``run_rounds(i)`` runs the compiled
-    loop with width ``i`` forced for up to CALIBRATION_ROUNDS rounds and returns (seconds, rounds taken)."""
-    per_round = []
-    for i in range(len(widths)):
-        best = float("inf")
-        for _ in range(CALIBRATION_REPEATS):
+    """Relative cost of a round of each width (the last one's is 1): ``run_rounds(i)`` runs the compiled
+    loop with width ``i`` forced for up to CALIBRATION_ROUNDS rounds and returns (seconds, rounds taken).
+    The repeats go round-robin over the widths (a burst of other work on the machine then slows one run of
+    each, not every run of one), each width keeps its best; a wider round never costs less than a narrower
+    one (the running maximum), so timing noise cannot make a wide verify look cheap."""
+    best = [float("inf")] * len(widths)
+    for _ in range(CALIBRATION_REPEATS):
+        for i in range(len(widths)):
             seconds, rounds = run_rounds(i)
-            best = min(best, seconds / max(rounds, 1))
-        per_round.append(best)
-    costs = np.asarray(per_round, np.float64)
+            best[i] = min(best[i], seconds / max(rounds, 1))
+    costs = np.maximum.accumulate(np.asarray(best, np.float64))
     return (costs / costs[-1]).astype(np.float32)
 
 
