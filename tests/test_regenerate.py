@@ -414,3 +414,32 @@ def test_two_processes_split_the_shards_and_merge_to_the_one_process_output(setu
     assert "wrote 2 shards" in outputs[0][0] and "process 0 of 2" in outputs[0][0]
     assert "wrote 2 shards" in outputs[1][0] and "process 1 of 2" in outputs[1][0]
     assert shard_texts(out) == shard_texts(reference[0])
+
+
+def test_settings_record_how_drafts_are_verified():
+    """Sampled rows depend on how drafts are verified (a tree's walk or block verification draws other random
+    numbers than the chain's token-wise rejection): the settings record it, and only when it is not the chain,
+    so a directory regenerated before these options existed still resumes."""
+    from dflash_jax.data.regenerate import regeneration_settings
+    from dflash_jax.data.formats import PlainText
+
+    @dataclasses.dataclass
+    class Config:
+        vocab_size: int = 8
+
+    class Stub:  # what regeneration_settings reads of a Decoder
+        target_config, has_draft, block_size, dtype = Config(), True, 8, "float32"
+        tree_budget, tree_auto, block_verify = 0, (), False
+
+    def settings(**kw):
+        decoder = Stub()
+        decoder.__dict__.update(kw)
+        return regeneration_settings(decoder, None, [PlainText("hi")], batch_size=2,
+                                     max_new_tokens=4, sampling=SamplingConfig(1.0), stop_tokens=(), seed=0,
+                                     shard_size=2, use_chat_template=False, enable_thinking=False)
+
+    chain = settings()
+    assert not {"tree_budget", "tree_auto", "block_verify"} & set(chain)
+    assert settings(tree_budget=16)["tree_budget"] == 16
+    assert settings(tree_auto=(8, 16))["tree_auto"] == [8, 16]
+    assert settings(block_verify=True)["block_verify"] is True

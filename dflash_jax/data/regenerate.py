@@ -93,6 +93,11 @@ def regeneration_settings(decoder: Any, tokenizer: Any, examples: Sequence[Examp
         "enable_thinking": bool(enable_thinking),
         "stop_tokens": sorted(int(t) for t in stop_tokens),
         "batch_size": int(batch_size),
+        # How drafts are verified changes which random draws a sampled row uses (recorded only when not the
+        # default, so that earlier regenerations still resume).
+        **({"tree_budget": int(decoder.tree_budget)} if decoder.has_draft and decoder.tree_budget else {}),
+        **({"tree_auto": [int(b) for b in decoder.tree_auto]} if decoder.has_draft and decoder.tree_auto else {}),
+        **({"block_verify": True} if decoder.has_draft and decoder.block_verify else {}),
     }
 
 
