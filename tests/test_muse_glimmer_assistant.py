@@ -14,6 +14,7 @@ the same outputs; drafts with no exact form in Meta's layout are refused naming 
 config starts fine-tuning from the drafter.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -313,3 +314,38 @@ def test_drafter_configs_it_cannot_read_are_refused(pair):
                           ({"layer_types": ["sliding_attention"]}, "layer_types")):
         with pytest.raises(ConfigError, match=field):
             DraftConfig.from_dict({**given, **change}, "drafter/config.json")
+
+
+def test_the_drafter_grows_into_a_dflash2_draft_that_starts_where_it_was(pair):
+    """``draft.init`` = Meta's drafter with ``draft.architecture: dflash2`` (how z-lab's Muse-Glimmer-30B-DFlash2
+    began): the same weights plus identity block convolutions and a selector whose pair scores start at zero;
+    its first forward gives the drafter's logits and its selector walk the drafter's greedy proposals."""
+    import jax.numpy as jnp
+
+    from dflash_jax.models.draft import DraftModel, init_draft_cache
+    from dflash_jax.training.trainer import build_draft_config
+    from train_tiny import tiny_run_config
+
+    target_dir, drafter_dir, _, _ = pair
+    tc, tp = load_target(target_dir)
+    run = tiny_run_config(target_dir, pair[1].parent / "grow", draft={
+        "num_layers": None, "block_size": None, "target_layer_ids": None, "init": str(drafter_dir),
+        "architecture": "dflash2", "selector_top_k": 4, "selector_rank": 8})
+    grown, gp = build_draft_config(run, tc)
+    meta, mp = load_draft(drafter_dir, dtype="float32")
+    assert grown.dflash2 and grown.layout == "dflash" and grown.selector_top_k == 4
+    assert dataclasses.replace(grown, conv_kernel_size=None, conv_group_size=None, selector_rank=None,
+                               selector_top_k=None) == meta.with_layout("dflash", tc)
+    rng = np.random.default_rng(9)
+    feats = jnp.asarray(rng.normal(size=(2, 11, 2 * 64)), jnp.float32)
+    block = jnp.asarray([[5] + [MUSE_VOCAB - 1] * (BLOCK - 1)] * 2)
+    shared = shared_head(tp, tc.tie_word_embeddings)
+    args = (block, jnp.arange(11, 11 + BLOCK)[None].repeat(2, 0), feats, jnp.arange(11)[None].repeat(2, 0),
+            jnp.ones((2, 11), bool))
+    a = DraftModel(meta).apply({"params": mp}, *args, init_draft_cache(meta, 2, 32), shared)
+    b = DraftModel(grown).apply({"params": gp}, *args, init_draft_cache(grown, 2, 32), shared)
+    np.testing.assert_allclose(np.asarray(b.logits), np.asarray(a.logits), atol=1e-5, rtol=1e-5)
+    chain = DraftModel(grown).apply({"params": gp}, b.logits[:, 1:], b.hidden[:, 1:], block[:, 0],
+                                    method=DraftModel.select)
+    tokens = chain[0] if isinstance(chain, tuple) else chain
+    assert np.asarray(tokens).tolist() == np.asarray(a.logits[:, 1:]).argmax(-1).tolist()

@@ -47,7 +47,9 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "context_injection": (None, (str,), "every_layer (DFlash: features as keys/values in every layer) or "
                                             "input (the paper's ablation: features at the input only)"),
         "architecture": (None, (str,), "a new draft's kind: dflash (the paper's; default) or dflash2 (block "
-                                       "convolutions in every layer and a candidate selector, DFlash2DraftModel)"),
+                                       "convolutions in every layer and a candidate selector, DFlash2DraftModel); "
+                                       "with draft.init of a DFlash draft (e.g. Meta's Muse Glimmer drafter), "
+                                       "dflash2 grows it into a DFlash2 draft that starts out proposing as it did"),
         "conv_kernel_size": (None, (int,), "dflash2: convolution length along the block (default 2)"),
         "conv_group_size": (None, (int,), "dflash2: channels sharing one dynamic kernel (default 16)"),
         "selector_rank": (None, (int,), "dflash2: rank of the selector's pairwise score (default 256)"),

@@ -26,6 +26,7 @@ from dflash_jax.checkpoints import orbax_io
 from dflash_jax.checkpoints.hub import resolve_checkpoint
 from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer, tokenizer_dir
 from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft
+from dflash_jax.checkpoints.safetensors_io import flatten, unflatten
 from dflash_jax.data.pipeline import BatchIterator, make_dataset, steps_per_run
 from dflash_jax.data.regenerate import TRAINING_DATA_KEY, training_data_thinking
 from dflash_jax.engine.decoder import stop_tokens_of
@@ -75,12 +76,18 @@ def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, di
     """The draft to train: an existing one (``draft.init``) or a new Qwen3-style draft shaped like the target."""
     d = cfg["draft"]
     if d["init"]:
-        shaped = [k for k in NEW_DRAFT_KEYS if d[k] is not None]
+        # draft.architecture: dflash2 with a DFlash draft as draft.init: that draft grown into a DFlash2 one
+        # (how z-lab's Muse-Glimmer-30B-DFlash2 started from Meta's drafter), with its own DFlash2 fields
+        upgrade = d["architecture"] == "dflash2"
+        shaped = [k for k in NEW_DRAFT_KEYS if d[k] is not None and not (upgrade and k in ("architecture",
+                                                                                           *DFLASH2_FIELDS))]
         if shaped:
             raise ConfigError(f"run config: draft.{shaped[0]} cannot be combined with draft.init (the existing "
                               f"draft's own config decides it); remove it or train a new draft")
         config, params = load_draft_any(d["init"], dtype="float32", what="draft.init", revision=d["init_revision"])
         config.validate_against(target, source=f"draft.init {d['init']}")
+        if upgrade and not config.dflash2:
+            return dflash2_from(config, params, target, {k: d[k] or DFLASH2_DEFAULTS[k] for k in DFLASH2_FIELDS})
         return config, params
     ids = tuple(d["target_layer_ids"]) if d["target_layer_ids"] else None
     config = DraftConfig.for_target(target, num_layers=d["num_layers"] or 5, block_size=d["block_size"] or 16,
@@ -101,6 +108,27 @@ def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, di
                           f"draft.num_key_value_heads {config.num_key_value_heads}")
     config.validate_against(target, source="run config [draft]")
     return config, None
+
+
+def dflash2_from(config: DraftConfig, params: dict, target: TargetConfig, fields: dict) -> tuple[DraftConfig, dict]:
+    """A DFlash2 draft grown from a DFlash draft (either layout; DFlash2 exists in the official one only): the
+    same layers, fusion and norms, plus block convolutions that start as the identity (base kernels the
+    identity, dynamic kernel projections zero) and a candidate selector whose pair scores start at zero
+    (hidden projection zero, codebooks random): at step 0 it proposes exactly what the DFlash draft does
+    (greedy), and training moves on from there."""
+    official = config.with_layout("dflash", target).to_official_dict()
+    official["architectures"] = [DFLASH2]
+    official["dflash_config"].update(fields)
+    grown = DraftConfig.from_dict(official, source="run config [draft] (draft.init grown into DFlash2)")
+    fresh = flatten(init_draft_params(grown, seed=0, std=0.02))
+    for path, leaf in flatten(params).items():
+        if path not in fresh or np.shape(fresh[path]) != np.shape(leaf):
+            raise ConfigError(f"draft.init: param {'/'.join(path)} does not fit the DFlash2 draft")
+        fresh[path] = leaf
+    for path, leaf in fresh.items():
+        if path[-2:] in (("kernel_projection", "kernel"), ("hidden_projection", "kernel")):
+            fresh[path] = jnp.zeros(np.shape(leaf), leaf.dtype)
+    return grown, unflatten(fresh)
 
 
 @dataclasses.dataclass
