@@ -329,7 +329,8 @@ class DraftConfig:
             return dataclasses.replace(self, layout=layout)
         if target is None:
             raise ConfigError(f"a {MUSE_ASSISTANT} config records neither num_target_layers nor vocab_size, which "
-                              "the DFlash layout states: give the target to take them from (python -m infer convert --target DIR)")
+                              "the DFlash layout states: give the target to take them from (python -m infer "
+                              "convert --target DIR)")
         self.validate_against(target)
         return dataclasses.replace(self, layout=layout, num_target_layers=target.num_hidden_layers,
                                    vocab_size=target.vocab_size)
