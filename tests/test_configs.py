@@ -235,6 +235,94 @@ def test_moe_configs_say_what_is_assumed():
         assert "ASSUMED" in text and "Sources" in text and "config.json" in text
 
 
+# The 2026 targets' released pairings (SPEC 9, 11.1, 11.3). Expected values are the released config.json copies and
+# the surveys of the drafts' configs that the files' headers cite, not values read back from the loader.
+GEMMA4 = {  # name: (model_type, layers, hidden, heads, kv, global_kv, experts, draft heads, draft width, ids)
+    "gemma-4-31b-it-dflash-b16": ("gemma4_text", 60, 5376, 32, 16, 4, None, 64, 10752, (1, 12, 23, 35, 46, 57)),
+    "gemma-4-26b-a4b-it-dflash-b16": ("gemma4_text", 30, 2816, 16, 8, 2, (128, 8, 704), 32, 5632,
+                                      (1, 6, 11, 17, 22, 27)),
+    "gemma-4-12b-it-dflash-b16": ("gemma4_unified_text", 48, 3840, 16, 8, 1, None, 32, 7680,
+                                  (1, 10, 19, 27, 36, 45)),
+}
+MINIMAX = ["minimax-m2.5-dflash-b16", "minimax-m2.7-dflash-b16"]
+
+
+@pytest.mark.parametrize("name", GEMMA4)
+def test_gemma4_pairings(name):
+    """5 sliding (1024) layers to 1 full; full layers 512 wide with K = V (no v_proj) and their own KV heads; a
+    qwen3-layout draft of 4 sliding (2048) + 1 full layer reading six features; the embedding-scale trap set."""
+    import math
+
+    model_type, layers, hidden, heads, kv, global_kv, experts, d_heads, d_width, ids = GEMMA4[name]
+    p, draft, target = shapes(name)
+    t, d = p.target, p.draft
+    assert (t.model_type, t.num_hidden_layers, t.hidden_size, t.num_attention_heads, t.num_key_value_heads,
+            t.head_dim, t.global_head_dim, t.global_kv_heads, t.vocab_size) == (
+        model_type, layers, hidden, heads, kv, 256, 512, global_kv, 262144)
+    assert t.layer_windows == ((1024,) * 5 + (None,)) * (layers // 6)
+    assert t.attention_k_eq_v and t.scale_embeddings and t.tie_word_embeddings and t.final_logit_softcapping == 30
+    assert (t.rope.theta, t.global_rope.theta, t.global_rope.rope_type) == (10000.0, 1e6, "proportional")
+    full = ("layers_5", "self_attn")
+    assert target[full + ("k_proj", "kernel")] == (hidden, global_kv * 512)
+    assert full + ("v_proj", "kernel") not in target  # V is the raw k_proj output on full layers
+    assert target[("layers_0", "self_attn", "v_proj", "kernel")] == (hidden, kv * 256)
+    assert target[("layers_0", "layer_scalar")] == (1,) and not any(k[0] == "lm_head" for k in target)
+    if experts:
+        e = t.experts
+        assert (e.num_experts, e.top_k, e.intermediate_size) == experts and t.experts_beside_mlp
+        assert target[("layers_29", "moe", "experts", "gate_proj")] == (128, hidden, 704)
+    else:
+        assert t.experts is None
+    assert (d.model_type, d.num_hidden_layers, d.hidden_size, d.intermediate_size, d.num_attention_heads,
+            d.num_key_value_heads, d.head_dim, d.block_size, d.mask_token_id) == (
+        "qwen3", 5, hidden, d_width, d_heads, 8, 128, 16, 4)
+    assert d.layer_types == ("sliding_attention",) * 4 + ("full_attention",) and d.sliding_window == 2048
+    assert d.target_layer_ids == ids == default_target_layer_ids(layers, 6)
+    assert draft[("fc", "kernel")] == (6 * hidden, hidden)
+    # the trap: the target's embedding is times sqrt(H) and its logits soft-capped at 30; the draft embeds the raw
+    # table, so its config must carry both (what z-lab's serving code applies from the target)
+    assert d.input_embedding_scale == pytest.approx(math.sqrt(hidden), rel=1e-12)
+    assert d.final_logit_softcapping == 30.0
+    text = (CONFIG_DIR / f"{name}.yaml").read_text()
+    assert "THE EMBEDDING-SCALE TRAP" in text and "ASSUMED" in text and "Sources" in text
+
+
+@pytest.mark.parametrize("name", MINIMAX)
+def test_minimax_pairings(name):
+    """62 layers of 48/8 heads with whole-projection q/k norms, RoPE on 64 of 128 dims, 256 experts top-8 of 1536
+    chosen by sigmoid scores plus a selection-only bias; the draft's shape is assumed and says so."""
+    p, draft, target = shapes(name)
+    t, d = p.target, p.draft
+    assert (t.model_type, t.num_hidden_layers, t.hidden_size, t.num_attention_heads, t.num_key_value_heads,
+            t.head_dim, t.vocab_size, t.rotary_dims, t.rope.theta) == (
+        "minimax_m2", 62, 3072, 48, 8, 128, 200064, 64, 5e6)
+    assert t.qk_norm_scope == "projection" and not t.tie_word_embeddings
+    e = t.experts
+    assert (e.num_experts, e.top_k, e.intermediate_size, e.routing, e.selection_bias) == (
+        256, 8, 1536, "sigmoid_topk", True)
+    assert t.expert_layers == tuple(range(62))
+    assert target[("layers_61", "self_attn", "q_norm", "weight")] == (48 * 128,)
+    assert target[("layers_0", "mlp", "e_score_correction_bias")] == (256,)
+    assert d.target_layer_ids == (1, 16, 30, 44, 59) and d.num_target_layers == 62 and d.hidden_size == 3072
+    assert d.layer_types == ("sliding_attention",) * 4 + ("full_attention",)
+    text = (CONFIG_DIR / f"{name}.yaml").read_text()
+    assert "GATED" in text and "ASSUMED" in text and "partial_rotary_factor" in text
+
+
+def test_minimax_config_without_the_rotary_factor_is_refused_naming_the_fix():
+    """MiniMax's own config.json files carry rotary_dim 64 and (in several copies) no partial_rotary_factor:
+    transformers would rotate all 128 dims, MiniMax's code 64, so load_pairing must refuse rather than guess."""
+    import yaml
+
+    raw = yaml.safe_load((CONFIG_DIR / "minimax-m2.7-dflash-b16.yaml").read_text())["target"]
+    raw.pop("partial_rotary_factor")
+    raw["rope_parameters"].pop("partial_rotary_factor")
+    with pytest.raises(ConfigError, match=r"'rotary_dim' \(64\) disagrees .*Set \"partial_rotary_factor\": 0\.5"):
+        from dflash_jax.models.config import TargetConfig
+
+        TargetConfig.from_dict(raw, "minimax")
+
+
 def test_tiny_pairing_matches_the_test_draft():
     p = load_pairing("tiny-test")
     assert p.draft == DraftConfig.from_dict(official_config())
