@@ -134,13 +134,20 @@ def test_masked_segment_matches_plain_attention(kernel):
 def test_windowed_rings_and_sinks_commit_a_tree():
     """gpt-oss: sliding window 6 (ring caches of window - 1 + 32 slots), sinks, experts; a tree of 31 nodes
     (wider than the window) through planted errors must still give the target's own tokens."""
-    tc, tp = tiny_moe_target("gpt_oss")
+    tree_beats_chain_losslessly("gpt_oss", 31)
+
+
+def tree_beats_chain_losslessly(family, budget):
+    """The oracle through planted errors on a tiny ``family`` target: chain and tree give the target's own
+    tokens, the tree with higher tau. Returns ``(config, params, prompts, autoregressive result)``."""
+    tc, tp = tiny_moe_target(family)
     prompts = prompts_for(tc.vocab_size)
     ar = generate(tc, tp, prompts, NoProposer(), NoProposer().init(), DecodeSettings(max_new_tokens=MAX_NEW))
     chain = oracle_run(tc, tp, prompts, ar, 0)
-    tree = oracle_run(tc, tp, prompts, ar, 31)
+    tree = oracle_run(tc, tp, prompts, ar, budget)
     assert chain.tokens == tree.tokens == ar.tokens
     assert tree.tau > chain.tau
+    return tc, tp, prompts, ar
 
 
 def test_gated_deltanet_layers_commit_a_tree():
@@ -149,13 +156,7 @@ def test_gated_deltanet_layers_commit_a_tree():
     accepted path's pending terms; through planted errors a tree of 24 nodes must give the target's own
     tokens, pass errors the chain cannot (higher tau), and a random draft's trees (rejected most rounds, the
     commit then keeps a short path off the chain slots) as well."""
-    tc, tp = tiny_moe_target("qwen3_5")
-    prompts = prompts_for(tc.vocab_size)
-    ar = generate(tc, tp, prompts, NoProposer(), NoProposer().init(), DecodeSettings(max_new_tokens=MAX_NEW))
-    chain = oracle_run(tc, tp, prompts, ar, 0)
-    tree = oracle_run(tc, tp, prompts, ar, 24)
-    assert chain.tokens == tree.tokens == ar.tokens
-    assert tree.tau > chain.tau
+    tc, tp, prompts, ar = tree_beats_chain_losslessly("qwen3_5", 24)
     dc, dp = tiny_draft(block=BLOCK)
     assert draft_run(tc, tp, dc, dp, prompts, tree_budget=12).tokens == ar.tokens
 
