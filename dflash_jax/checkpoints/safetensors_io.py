@@ -25,6 +25,9 @@ from dflash_jax.errors import UserError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# Stored dtypes read from raw bytes (safetensors' numpy reader has no numpy dtype for them): ml_dtypes names.
+RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
+DTYPE_NAMES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16"}
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
 
 
@@ -63,9 +66,15 @@ def unflatten(flat: Mapping[tuple[str, ...], Any]) -> dict[str, Any]:
 
 class SafetensorsDir:
     """Index of a safetensors checkpoint: a single ``.safetensors`` file, a directory holding
-    ``model.safetensors``, or a sharded directory with ``model.safetensors.index.json``."""
+    ``model.safetensors``, or a sharded directory with ``model.safetensors.index.json``.
 
-    def __init__(self, path: str | Path):
+    A directory whose ``config.json`` declares a ``quantization_config`` (``checkpoints/quantized``: block-scaled
+    FP8, compressed-tensors INT4) is read dequantised: ``get``, ``shape`` and ``dtype_name`` describe every
+    quantised weight as the float tensor it stands for (``dequantize_dtype``), one tensor at a time, so every
+    loader reads it like a float checkpoint; ``get_stored`` and the ``stored_*`` methods see the file as it is.
+    ``quantization=False`` reads the stored tensors only (and ignores the config)."""
+
+    def __init__(self, path: str | Path, quantization: bool = True):
         self.path = Path(path)
         self.key_to_file: dict[str, Path] = {}
         if self.path.is_file():
@@ -84,6 +93,28 @@ class SafetensorsDir:
             except Exception as e:  # safetensors raises several types for corrupt headers
                 raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
         self._handles: dict[Path, Any] = {}
+        self._headers: dict[Path, tuple[int, dict]] = {}
+        #: The dtype quantised weights are dequantised to (``get``); a loader that casts every float param to
+        #: one dtype anyway may set it to that dtype to halve the host memory of stacked experts.
+        self.dequantize_dtype: Any = np.float32
+        self.quantization = None
+        self._int4: dict[str, str] = {}  # virtual "<m>.weight" -> its stored "<m>.weight_packed"
+        if quantization and self.path.is_dir():
+            self._read_quantization()
+
+    def _read_quantization(self) -> None:
+        """``config.json``'s ``quantization_config`` (``checkpoints/quantized``): FP8 weights are dequantised
+        by ``get``; compressed-tensors INT4 weights appear under their float name ``<m>.weight``."""
+        from dflash_jax.checkpoints import quantized
+
+        self.quantization = quantized.scheme_of_dir(self.path)
+        if isinstance(self.quantization, quantized.Int4Scheme):
+            for weight, packed in quantized.virtual_int4_keys(list(self.key_to_file)).items():
+                if weight in self.key_to_file:
+                    raise CheckpointError(f"{self.key_to_file[weight]}: tensor {weight!r} is stored both as a float "
+                                          f"weight and packed ({packed!r})")
+                self._int4[weight] = packed
+                self.key_to_file[weight] = self.key_to_file[packed]
 
     def _files_of_dir(self) -> list[Path]:
         index = self.path / INDEX_FILE
@@ -126,11 +157,52 @@ class SafetensorsDir:
     def file_of(self, key: str) -> Path:
         return self.key_to_file[key]
 
+    def is_quantized(self, key: str) -> bool:
+        """Whether ``get(key)`` dequantises (an FP8 weight, or a packed INT4 one under its float name)."""
+        if key in self._int4:
+            return True
+        from dflash_jax.checkpoints import quantized
+
+        return (isinstance(self.quantization, quantized.Fp8Scheme)
+                and self.stored_dtype_name(key) in quantized.FP8_WEIGHT_DTYPES)
+
     def get(self, key: str) -> np.ndarray:
+        """The tensor ``key``; a quantised weight comes dequantised, as ``dequantize_dtype``."""
+        if self.quantization is not None and self.is_quantized(key):
+            from dflash_jax.checkpoints import quantized
+
+            if key in self._int4:
+                return quantized.dequantize_int4(self, key, self.quantization, self.dequantize_dtype)
+            return quantized.dequantize_fp8(self, key, self.quantization, self.dequantize_dtype)
+        return self.get_stored(key)
+
+    def get_stored(self, key: str) -> np.ndarray:
+        """The tensor as stored. Dtypes numpy has no name for in safetensors' reader (FP8: ``F8_E4M3``,
+        ``F8_E5M2``, ``F8_E8M0``) are read from the raw bytes as ml_dtypes arrays."""
+        dtype = self.stored_dtype_name(key)
+        if dtype in RAW_DTYPES:
+            return self._raw(key, dtype)
         f = self.key_to_file[key]
         if f not in self._handles:
             self._handles[f] = safe_open(str(f), framework="numpy")
         return self._handles[f].get_tensor(key)
+
+    def _raw(self, key: str, dtype: str) -> np.ndarray:
+        import ml_dtypes  # installed with jax
+
+        f = self.key_to_file[key]
+        if f not in self._headers:
+            with open(f, "rb") as handle:
+                n = int.from_bytes(handle.read(8), "little")
+                self._headers[f] = (8 + n, json.loads(handle.read(n)))
+        start, header = self._headers[f]
+        entry = header[key]
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        data = np.fromfile(f, dtype=np.uint8, count=end - begin, offset=start + begin)
+        if data.size != int(np.prod(shape, dtype=np.int64)):
+            raise CheckpointError(f"{f}: tensor {key!r} holds {data.size} bytes for shape {list(shape)}")
+        return data.view(getattr(ml_dtypes, RAW_DTYPES[dtype])).reshape(shape)
 
     def _slice(self, key: str) -> Any:
         f = self.key_to_file[key]
@@ -138,12 +210,33 @@ class SafetensorsDir:
             self._handles[f] = safe_open(str(f), framework="numpy")
         return self._handles[f].get_slice(key)
 
-    def shape(self, key: str) -> tuple[int, ...]:
+    def stored_shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
 
-    def dtype_name(self, key: str) -> str:
-        """The stored dtype as safetensors names it (``F32``, ``BF16``, ``I8``, ``BOOL``, ...)."""
+    def stored_dtype_name(self, key: str) -> str:
+        """The stored dtype as safetensors names it (``F32``, ``BF16``, ``F8_E4M3``, ``I8``, ``BOOL``, ...)."""
         return str(self._slice(key).get_dtype())
+
+    def describe(self, key: str) -> str:
+        """``key`` quoted, and for a packed INT4 weight the tensors that stand for it (for messages)."""
+        if key in self._int4:
+            return f"{key!r} (stored packed as {self._int4[key]!r}, its shape in {key + '_shape'!r})"
+        return repr(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The shape of ``get(key)`` (a packed INT4 weight's from its ``weight_shape``)."""
+        if key in self._int4:
+            from dflash_jax.checkpoints import quantized
+
+            return quantized.int4_weight_shape(self, key)
+        return self.stored_shape(key)
+
+    def dtype_name(self, key: str) -> str:
+        """The dtype of ``get(key)`` as safetensors names it: the stored one, or ``dequantize_dtype``'s for a
+        quantised weight."""
+        if self.quantization is not None and self.is_quantized(key):
+            return DTYPE_NAMES[np.dtype(self.dequantize_dtype).name]
+        return self.stored_dtype_name(key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,14 +256,21 @@ class Derived:
 def _check_stored(source: "SafetensorsDir", key: str, want: tuple[int, ...], kind: str) -> None:
     stored_shape = source.shape(key)
     if stored_shape != tuple(want):
-        raise CheckpointError(
-            f"{source.file_of(key)}: tensor {key!r} has shape {list(stored_shape)}, expected {list(want)}")
+        raise CheckpointError(f"{source.file_of(key)}: tensor {source.describe(key)} has shape {list(stored_shape)}, "
+                              f"expected {list(want)}")
     stored_dtype = source.dtype_name(key)
     allowed = FLOAT_DTYPES if kind == "float" else ("U8",)
     if stored_dtype not in allowed:  # casting integers or booleans would make a silently wrong model
         what = "weights must be floating point" if kind == "float" else "MXFP4 blocks and scales must be uint8"
         raise CheckpointError(f"{source.file_of(key)}: tensor {key!r} is stored as {stored_dtype}; {what} "
-                              f"({', '.join(allowed)})")
+                              f"({', '.join(allowed)}){_quantized_hint(stored_dtype)}")
+
+
+def _quantized_hint(stored_dtype: str) -> str:
+    if stored_dtype.startswith("F8_"):
+        return ("; FP8 weights are read when config.json's quantization_config says quant_method 'fp8' "
+                "(with weight_scale_inv scales)")
+    return ""
 
 
 def load_params(
@@ -216,13 +316,12 @@ def load_params(
         want = tuple(leaf.shape)
         if (stored_shape[::-1] if transpose else stored_shape) != want:
             expected = want[::-1] if transpose else want
-            raise CheckpointError(
-                f"{source.file_of(key)}: tensor {key!r} has shape {list(stored_shape)}, expected {list(expected)}"
-            )
+            raise CheckpointError(f"{source.file_of(key)}: tensor {source.describe(key)} has shape "
+                                  f"{list(stored_shape)}, expected {list(expected)}")
         stored_dtype = source.dtype_name(key)
         if stored_dtype not in FLOAT_DTYPES:  # casting integers or booleans would make a silently wrong model
             raise CheckpointError(f"{source.file_of(key)}: tensor {key!r} is stored as {stored_dtype}; weights must "
-                                  f"be floating point ({', '.join(FLOAT_DTYPES)})")
+                                  f"be floating point ({', '.join(FLOAT_DTYPES)}){_quantized_hint(stored_dtype)}")
         arr = source.get(key)
         if transpose:
             arr = np.ascontiguousarray(arr.T)

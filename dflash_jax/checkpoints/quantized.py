@@ -1,0 +1,389 @@
+"""Quantised checkpoints, dequantised at load: block-scaled FP8 and compressed-tensors INT4.
+
+``SafetensorsDir`` reads ``config.json``'s ``quantization_config`` (top level, or its ``text_config``'s) when it
+opens a directory, and from then on hands out every quantised weight as a plain float array under its usual
+name, one tensor at a time: every family, the per-expert stacks of ``expert_layouts`` and the fused
+projections included, loads a quantised checkpoint exactly as it loads a float one. What is quantised is read
+from the tensors themselves (their dtype and companion tensors), not from the config's skip lists: the modules
+that ``modules_to_not_convert`` / ``ignored_layers`` / ``ignore`` name are stored as plain floats and load as
+they are, and no scale is asked of them.
+
+**FP8, block-scaled** (``quant_method: "fp8"``: DeepSeek-V3, GLM-4.5/5.1-FP8, MiniMax-M2, Qwen3-*-FP8; fields
+as transformers' ``FineGrainedFP8Config`` reads them, ``utils/quantization_config.py``)::
+
+    quantization_config {quant_method: "fp8", activation_scheme: "dynamic" | "static",
+                         weight_block_size: [bn, bk] (default [128, 128]; null = one scale per tensor),
+                         modules_to_not_convert | ignored_layers, scale_fmt: "float" | "ue8m0", fmt: "e4m3"}
+    <m>.weight            float8_e4m3fn [..., N, K]
+    <m>.weight_scale_inv  [..., ceil(N / bn), ceil(K / bk)]     (a tensor not named .weight: <key>_scale_inv)
+    W[i, j] = w8[i, j] * s[i // bn, j // bk]
+
+The grid is the ceiling one (transformers' ``FP8Linear`` allocates it so), so N and K need not be multiples
+of the block: the last block row/column is partial. (transformers' own ``Fp8Dequantize`` infers the block from
+the grid and refuses such shapes; this decoder takes the block from the config.) The product is formed in
+float32 (the FP8 code exactly, times the float32 scale), as transformers forms it, then cast.
+
+``scale_fmt: "ue8m0"`` (DeepSeek-V3.2/V4-style scales): every scale is a power of two. transformers accepts
+them stored either in float32 (the power of two itself, then cast exactly to ``float8_e8m0fnu``) or natively
+as ``float8_e8m0fnu`` (``F8_E8M0``: one biased exponent byte, scale ``2 ** (b - 127)``, 0xFF = NaN), and its
+``Fp8Dequantize`` reads uint8 scales as the same exponent bytes. All three are read here: float scales as
+they are, ``F8_E8M0`` always, ``U8`` only when the config says ``ue8m0`` (a byte that is not known to be an
+exponent is refused). A NaN exponent byte is an error naming the tensor.
+
+**INT4, compressed-tensors ``pack-quantized``** (Kimi K2-Thinking / K2.5 - K2.7)::
+
+    quantization_config {quant_method: "compressed-tensors", format: "pack-quantized",
+                         config_groups: {g: {weights: {num_bits: 4, type: "int", symmetric: true,
+                                                       strategy: "group", group_size: 32, actorder: null}}},
+                         ignore: [...]}
+    <m>.weight_packed  int32 [out, ceil(in / 8)]
+    <m>.weight_scale   bf16/f16/f32 [out, ceil(in / group_size)]   ([out, 1] for strategy "channel")
+    <m>.weight_shape   int [2] = [out, in]
+    W[r, c] = q[r, c] * scale[r, c // group_size],  q in [-8, 7]
+
+Packing convention (compressed-tensors ``compressors/quantized_compressors/pack_quantized.py``,
+``pack_to_int32`` / ``unpack_from_int32``, and its vLLM copy ``compressed_tensors/utils/packing``): each value
+is shifted to unsigned (``q + 8``); along each row, element ``8 g + k`` occupies bits ``4k .. 4k + 3`` of int32
+word ``g`` (the lowest nibble holds the first element); a row shorter than a multiple of 8 is zero-padded and
+cut back to ``weight_shape`` on unpacking. For 4 bits the newer "dense" packer (values may straddle words for
+widths that do not divide 32) writes the same words. The stored ``weight`` name does not exist; this module
+presents ``<m>.weight`` (shape ``weight_shape``) in its place. compressed-tensors multiplies in the scale's
+dtype (bf16 for Kimi); the product of a 4-bit integer and a bf16 scale formed in float32 and then rounded to
+bf16 is the same number, so a bfloat16 load is identical to it and a float32 load is exact.
+
+Refused with one ``CheckpointError`` naming config.json and the field: any other ``quant_method`` (gptq,
+awq, bitsandbytes, mxfp4 outside gpt-oss, whose experts ``expert_layouts`` decodes), another
+compressed-tensors format, bit width, type or strategy, asymmetric quantisation (zero points), activation
+ordering with a group index, several differing weight schemes, another FP8 encoding. A weight whose scale is
+missing or whose scale grid does not match its shape is one error naming the file and the tensor.
+
+The library stays importable without torch: numpy (and ml_dtypes, a jax dependency) only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from dflash_jax.checkpoints.safetensors_io import CheckpointError
+
+log = logging.getLogger(__name__)
+
+FP8_METHOD = "fp8"
+COMPRESSED_TENSORS = "compressed-tensors"
+PACK_QUANTIZED = "pack-quantized"
+#: Stored dtypes whose tensors are FP8 weight codes.
+FP8_WEIGHT_DTYPES = ("F8_E4M3",)
+#: The FP8 e4m3fn code table: code (one byte) -> float32. 0x7F and 0xFF are NaN.
+FP8_E4M3_VALUES: np.ndarray | None = None
+INT4_PER_WORD = 8
+
+
+class QuantizationError(CheckpointError):
+    """A quantised checkpoint that cannot be read; the message names the file and the key or field."""
+
+
+def _fp8_table() -> np.ndarray:
+    global FP8_E4M3_VALUES
+    if FP8_E4M3_VALUES is None:
+        import ml_dtypes  # installed with jax
+
+        FP8_E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return FP8_E4M3_VALUES
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Scheme:
+    """``quant_method: "fp8"``: block ``(bn, bk)`` or ``None`` (one scale per tensor)."""
+
+    block: tuple[int, int] | None
+    scale_fmt: str
+    source: str  # config.json, for messages
+
+    def describe(self) -> str:
+        grid = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "one scale per tensor"
+        return f"FP8 e4m3, {grid}, scale_fmt {self.scale_fmt}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Scheme:
+    """compressed-tensors ``pack-quantized``, symmetric signed INT4; ``group_size None`` = one scale per row."""
+
+    group_size: int | None
+    source: str
+
+    def describe(self) -> str:
+        return f"INT4 pack-quantized, {'group ' + str(self.group_size) if self.group_size else 'per channel'}"
+
+
+Scheme = Fp8Scheme | Int4Scheme
+
+
+def quantization_config_of(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The ``quantization_config`` of a config.json object: its own, else its ``text_config``'s."""
+    q = config.get("quantization_config")
+    if q is None and isinstance(config.get("text_config"), Mapping):
+        q = config["text_config"].get("quantization_config")
+    return q
+
+
+def scheme_of_dir(path: Path) -> Scheme | None:
+    """The quantisation scheme ``path/config.json`` declares, ``None`` for unquantised weights (or no
+    readable config.json: the caller reports a bad config itself). Unsupported methods raise."""
+    config_path = path / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, Mapping):
+        return None
+    q = quantization_config_of(config)
+    if q is None:
+        return None
+    return parse_scheme(q, str(config_path), str(config.get("model_type", "")))
+
+
+def parse_scheme(q: Any, source: str, model_type: str = "") -> Scheme | None:
+    """Read one ``quantization_config`` object; ``source`` names the file in messages."""
+    where = f"{source}: quantization_config"
+    if not isinstance(q, Mapping):
+        raise QuantizationError(f"{where} must be an object, got {str(q)[:80]!r}")
+    method = q.get("quant_method")
+    if method == FP8_METHOD:
+        return _parse_fp8(q, where, source)
+    if method == COMPRESSED_TENSORS:
+        return _parse_compressed_tensors(q, where, source)
+    if method == "mxfp4" and model_type == "gpt_oss":
+        return None  # gpt-oss's MXFP4 experts: expert_layouts / models.mxfp4 decode them
+    raise QuantizationError(
+        f"{where}: quant_method {method!r} is not supported; dflash_jax reads block-scaled FP8 "
+        f"('fp8'), compressed-tensors INT4 ('compressed-tensors', pack-quantized) and gpt-oss's MXFP4. "
+        "Use the model's bfloat16 or FP8 release, or dequantise it first")
+
+
+def _parse_fp8(q: Mapping[str, Any], where: str, source: str) -> Fp8Scheme:
+    activation = str(q.get("activation_scheme", "dynamic")).lower()
+    if activation not in ("dynamic", "static"):
+        raise QuantizationError(f"{where}: activation_scheme {q.get('activation_scheme')!r} is not one of "
+                                "'dynamic', 'static'")
+    if activation == "static":
+        log.info("%s: activation_scheme 'static': the weights are dequantised and the activations are not "
+                 "quantised (the stored input scales are unused)", source)
+    fmt = q.get("fmt", "e4m3")
+    if fmt not in ("e4m3", "float8_e4m3fn", "e4m3fn"):
+        raise QuantizationError(f"{where}: fmt {fmt!r} is not supported (FP8 weights must be e4m3)")
+    scale_fmt = q.get("scale_fmt") or "float"
+    if scale_fmt not in ("float", "ue8m0"):
+        raise QuantizationError(f"{where}: scale_fmt {scale_fmt!r} is not one of 'float', 'ue8m0'")
+    block = q.get("weight_block_size", [128, 128])
+    if block is not None:
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise QuantizationError(f"{where}: weight_block_size must be two positive integers or null, "
+                                    f"got {block!r}")
+        block = (int(block[0]), int(block[1]))
+    if q.get("modules_to_convert"):
+        raise QuantizationError(f"{where}: modules_to_convert (FP8 embeddings) is not supported")
+    return Fp8Scheme(block=block, scale_fmt=scale_fmt, source=source)
+
+
+def _parse_compressed_tensors(q: Mapping[str, Any], where: str, source: str) -> Int4Scheme:
+    fmt = q.get("format")
+    if fmt != PACK_QUANTIZED:
+        raise QuantizationError(f"{where}: compressed-tensors format {fmt!r} is not supported (only "
+                                f"{PACK_QUANTIZED!r}, symmetric INT4)")
+    groups = q.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        raise QuantizationError(f"{where}: config_groups must be a non-empty object")
+    schemes = set()
+    for name, group in groups.items():
+        gw = f"{where}.config_groups.{name}.weights"
+        weights = group.get("weights") if isinstance(group, Mapping) else None
+        if not isinstance(weights, Mapping):
+            raise QuantizationError(f"{gw} must be an object")
+        if weights.get("type", "int") != "int":
+            raise QuantizationError(f"{gw}: type {weights.get('type')!r} is not supported (only 'int')")
+        if weights.get("num_bits") != 4:
+            raise QuantizationError(f"{gw}: num_bits {weights.get('num_bits')!r} is not supported (only 4)")
+        if weights.get("symmetric") is not True:
+            raise QuantizationError(f"{gw}: symmetric {weights.get('symmetric')!r}: asymmetric quantisation (zero "
+                                    "points) is not supported")
+        if weights.get("actorder") == "group":
+            raise QuantizationError(f"{gw}: actorder 'group' (a permuted group index) is not supported")
+        strategy = weights.get("strategy")
+        if strategy == "group":
+            size = weights.get("group_size")
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+                raise QuantizationError(f"{gw}: group_size must be a positive integer, got {size!r}")
+            schemes.add(size)
+        elif strategy == "channel":
+            schemes.add(None)
+        else:
+            raise QuantizationError(f"{gw}: strategy {strategy!r} is not supported ('group' or 'channel')")
+        for act in ("input_activations", "output_activations"):
+            if group.get(act):
+                log.info("%s: %s %s is not applied: the weights are dequantised, the activations kept in the "
+                         "load dtype", source, name, act)
+    if len(schemes) != 1:
+        raise QuantizationError(f"{where}: config_groups declare different weight schemes "
+                                f"({sorted(map(str, schemes))}); only one is supported")
+    return Int4Scheme(group_size=schemes.pop(), source=source)
+
+
+# --- the tensors ---------------------------------------------------------------------------------------
+
+def fp8_scale_key(key: str) -> str:
+    """The scale of an FP8 tensor, named as transformers names it."""
+    return key[: -len(".weight")] + ".weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"
+
+
+def packed_names(weight_key: str) -> tuple[str, str, str]:
+    """``<m>.weight`` -> its compressed-tensors tensors (``weight_packed``, ``weight_scale``, ``weight_shape``)."""
+    return weight_key + "_packed", weight_key + "_scale", weight_key + "_shape"
+
+
+class Reader:
+    """What the decoders need of a checkpoint (``SafetensorsDir`` implements it): raw tensors, stored shapes
+    and dtypes, the file a key lives in."""
+
+    key_to_file: dict
+    get_stored: Callable[[str], np.ndarray]
+    stored_shape: Callable[[str], tuple[int, ...]]
+    stored_dtype_name: Callable[[str], str]
+
+
+def fp8_grid(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The scale shape for an FP8 tensor of ``shape`` (ceil grid over the last two axes)."""
+    if block is None:
+        return ()
+    return tuple(shape[:-2]) + (_ceil_div(shape[-2], block[0]), _ceil_div(shape[-1], block[1]))
+
+
+def _scale_values(reader: Reader, scale_key: str, scheme: Fp8Scheme) -> np.ndarray:
+    f = reader.key_to_file[scale_key]
+    dtype = reader.stored_dtype_name(scale_key)
+    if dtype in ("F32", "F16", "BF16", "F64"):
+        return np.asarray(reader.get_stored(scale_key), dtype=np.float32)
+    if dtype == "F8_E8M0" or (dtype == "U8" and scheme.scale_fmt == "ue8m0"):
+        raw = np.asarray(reader.get_stored(scale_key)).view(np.uint8)
+        if (raw == 0xFF).any():
+            raise QuantizationError(f"{f}: tensor {scale_key!r} holds the E8M0 NaN code 0xFF")
+        return np.ldexp(np.float32(1.0), raw.astype(np.int32) - 127).astype(np.float32)
+    raise QuantizationError(
+        f"{f}: tensor {scale_key!r} is stored as {dtype}; FP8 scales must be floating point"
+        + (" (or F8_E8M0 / U8 exponents with scale_fmt 'ue8m0')" if dtype == "U8" else ""))
+
+
+def dequantize_fp8(reader: Reader, key: str, scheme: Fp8Scheme, out_dtype: Any = np.float32) -> np.ndarray:
+    """The float weight ``key`` (stored FP8) with its ``weight_scale_inv`` applied, as ``out_dtype``."""
+    f = reader.key_to_file[key]
+    shape = reader.stored_shape(key)
+    scale_key = fp8_scale_key(key)
+    what = f"({scheme.describe()}, {scheme.source})"
+    if scale_key not in reader.key_to_file:
+        raise QuantizationError(f"{f}: FP8 tensor {key!r} has no scale tensor {scale_key!r} {what}")
+    want = fp8_grid(shape, scheme.block)
+    got = reader.stored_shape(scale_key)
+    if scheme.block is not None and len(shape) < 2:
+        raise QuantizationError(f"{f}: FP8 tensor {key!r} has shape {list(shape)}; block scales need a matrix")
+    if got != want and not (scheme.block is None and got in ((1,), (1, 1))):
+        raise QuantizationError(
+            f"{reader.key_to_file[scale_key]}: tensor {scale_key!r} has shape {list(got)}, expected {list(want)}: "
+            f"the scale grid of {key!r} {list(shape)} {what}")
+    scale = _scale_values(reader, scale_key, scheme)
+    codes = np.asarray(reader.get_stored(key)).view(np.uint8)
+    w = _fp8_table()[codes]  # float32, exact
+    if scheme.block is None:
+        w *= scale.reshape(())
+        return w.astype(out_dtype, copy=False)
+    bn, bk = scheme.block
+    n, k = shape[-2:]
+    gn, gk = want[-2:]
+    lead = shape[:-2]
+    if n % bn or k % bk:  # partial last blocks: pad, scale, cut
+        padded = np.zeros(lead + (gn * bn, gk * bk), np.float32)
+        padded[..., :n, :k] = w
+        w = padded
+    view = w.reshape(lead + (gn, bn, gk, bk))
+    view *= scale[..., :, None, :, None]
+    w = view.reshape(lead + (gn * bn, gk * bk))[..., :n, :k]
+    return np.ascontiguousarray(w, dtype=out_dtype)
+
+
+def int4_weight_shape(reader: Reader, key: str) -> tuple[int, ...]:
+    """``<m>.weight``'s shape from its stored ``weight_shape`` tensor."""
+    packed, _, shape_key = packed_names(key)
+    f = reader.key_to_file[packed]
+    if shape_key not in reader.key_to_file:
+        raise QuantizationError(f"{f}: packed INT4 tensor {packed!r} has no {shape_key!r}")
+    stored = np.asarray(reader.get_stored(shape_key))
+    if stored.ndim != 1 or not np.issubdtype(stored.dtype, np.integer) or (stored <= 0).any():
+        raise QuantizationError(f"{reader.key_to_file[shape_key]}: tensor {shape_key!r} must be a list of positive "
+                                f"integers, got {stored.tolist()!r}")
+    return tuple(int(d) for d in stored)
+
+
+def dequantize_int4(reader: Reader, key: str, scheme: Int4Scheme, out_dtype: Any = np.float32) -> np.ndarray:
+    """The float weight ``<m>.weight`` from ``<m>.weight_packed`` / ``_scale`` / ``_shape``."""
+    packed_key, scale_key, _ = packed_names(key)
+    f = reader.key_to_file[packed_key]
+    what = f"({scheme.describe()}, {scheme.source})"
+    for extra in (key + "_zero_point", key + "_g_idx"):
+        if extra in reader.key_to_file:
+            raise QuantizationError(f"{reader.key_to_file[extra]}: tensor {extra!r}: zero points and group indices "
+                                    f"(asymmetric or activation-ordered INT4) are not supported {what}")
+    shape = int4_weight_shape(reader, key)
+    out, inn = shape[-2:] if len(shape) >= 2 else (None, None)
+    if out is None:
+        raise QuantizationError(f"{f}: {key + '_shape'!r} is {list(shape)}; a packed weight is a matrix")
+    dtype = reader.stored_dtype_name(packed_key)
+    if dtype != "I32":
+        raise QuantizationError(f"{f}: tensor {packed_key!r} is stored as {dtype}; packed INT4 weights are I32")
+    want_packed = shape[:-1] + (_ceil_div(inn, INT4_PER_WORD),)
+    if reader.stored_shape(packed_key) != want_packed:
+        raise QuantizationError(f"{f}: tensor {packed_key!r} has shape {list(reader.stored_shape(packed_key))}, "
+                                f"expected {list(want_packed)} (8 values per int32 of a {list(shape)} weight)")
+    if scale_key not in reader.key_to_file:
+        raise QuantizationError(f"{f}: packed INT4 tensor {packed_key!r} has no scale tensor {scale_key!r} {what}")
+    groups = 1 if scheme.group_size is None else _ceil_div(inn, scheme.group_size)
+    want_scale = shape[:-1] + (groups,)
+    got = reader.stored_shape(scale_key)
+    if got != want_scale:
+        raise QuantizationError(
+            f"{reader.key_to_file[scale_key]}: tensor {scale_key!r} has shape {list(got)}, expected "
+            f"{list(want_scale)}: the scale grid of {key!r} {list(shape)} {what}")
+    scale_dtype = reader.stored_dtype_name(scale_key)
+    if scale_dtype not in ("F32", "F16", "BF16", "F64"):
+        raise QuantizationError(f"{reader.key_to_file[scale_key]}: tensor {scale_key!r} is stored as {scale_dtype}; "
+                                "INT4 scales must be floating point")
+    words = np.asarray(reader.get_stored(packed_key)).view(np.uint32)
+    shifts = (4 * np.arange(INT4_PER_WORD, dtype=np.uint32))
+    nibbles = ((words[..., None] >> shifts) & np.uint32(0xF)).astype(np.int8)  # [..., out, words, 8]
+    q = nibbles.reshape(words.shape[:-1] + (-1,))[..., :inn]
+    w = q.astype(np.float32) - np.float32(8.0)  # stored unsigned: q + 8
+    scale = np.asarray(reader.get_stored(scale_key), dtype=np.float32)
+    if scheme.group_size is None:
+        w *= scale
+    else:
+        g = scheme.group_size
+        full = groups * g
+        if full != inn:
+            w = np.concatenate([w, np.zeros(w.shape[:-1] + (full - inn,), np.float32)], axis=-1)
+        view = w.reshape(w.shape[:-1] + (groups, g))
+        view *= scale[..., None]
+        w = view.reshape(w.shape)[..., :inn]
+    return np.ascontiguousarray(w, dtype=out_dtype)
+
+
+def virtual_int4_keys(keys: list[str]) -> dict[str, str]:
+    """``{<m>.weight: <m>.weight_packed}`` for every packed tensor among ``keys``."""
+    return {k[: -len("_packed")]: k for k in keys if k.endswith(".weight_packed")}
