@@ -105,7 +105,7 @@ def write(dst, config: dict, tensors: dict):
 
 
 def stored(path) -> dict:
-    src = SafetensorsDir(path, quantization=False)
+    src = SafetensorsDir(path, dequantize=False)
     return {k: src.get_stored(k) for k in src.keys()}
 
 
@@ -387,6 +387,11 @@ def test_bad_quantized_tensors_name_file_and_key(tiny, qwen3_fp8, tmp_path):
     dst = broken("grid", replace={scale: quant[scale][:, :4]})
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(dst))}/model\.safetensors: tensor '{re.escape(scale)}' "
                                               r"has shape \[4, 4\], expected \[4, 5\]: the scale grid of"):
+        load_target(dst)
+    nan = quant[key].copy()
+    nan.view(np.uint8)[3, 5] = 0xFF
+    dst = broken("nan", replace={key: nan})
+    with pytest.raises(CheckpointError, match=rf"FP8 tensor '{re.escape(key)}' holds the e4m3 NaN code"):
         load_target(dst)
     dst = broken("noconfig", config=config_of(root / "qwen3"))
     with pytest.raises(CheckpointError, match=r"is stored as F8_E4M3; weights must be floating point .*FP8 weights "

@@ -301,6 +301,8 @@ def dequantize_fp8(reader: Reader, key: str, scheme: Fp8Scheme, out_dtype: Any =
             f"the scale grid of {key!r} {list(shape)} {what}")
     scale = _scale_values(reader, scale_key, scheme)
     codes = np.asarray(reader.get_stored(key)).view(np.uint8)
+    if ((codes & 0x7F) == 0x7F).any():
+        raise QuantizationError(f"{f}: FP8 tensor {key!r} holds the e4m3 NaN code (0x7F / 0xFF)")
     w = _fp8_table()[codes]  # float32, exact
     if scheme.block is None:
         w *= scale.reshape(())

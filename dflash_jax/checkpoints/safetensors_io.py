@@ -72,9 +72,9 @@ class SafetensorsDir:
     FP8, compressed-tensors INT4) is read dequantised: ``get``, ``shape`` and ``dtype_name`` describe every
     quantised weight as the float tensor it stands for (``dequantize_dtype``), one tensor at a time, so every
     loader reads it like a float checkpoint; ``get_stored`` and the ``stored_*`` methods see the file as it is.
-    ``quantization=False`` reads the stored tensors only (and ignores the config)."""
+    ``dequantize=False`` reads the stored tensors only (and ignores the config)."""
 
-    def __init__(self, path: str | Path, quantization: bool = True):
+    def __init__(self, path: str | Path, dequantize: bool = True):
         self.path = Path(path)
         self.key_to_file: dict[str, Path] = {}
         if self.path.is_file():
@@ -99,7 +99,7 @@ class SafetensorsDir:
         self.dequantize_dtype: Any = np.float32
         self.quantization = None
         self._int4: dict[str, str] = {}  # virtual "<m>.weight" -> its stored "<m>.weight_packed"
-        if quantization and self.path.is_dir():
+        if dequantize and self.path.is_dir():
             self._read_quantization()
 
     def _read_quantization(self) -> None:
@@ -267,9 +267,11 @@ def _check_stored(source: "SafetensorsDir", key: str, want: tuple[int, ...], kin
 
 
 def _quantized_hint(stored_dtype: str) -> str:
-    if stored_dtype.startswith("F8_"):
+    if stored_dtype == "F8_E4M3":
         return ("; FP8 weights are read when config.json's quantization_config says quant_method 'fp8' "
                 "(with weight_scale_inv scales)")
+    if stored_dtype.startswith("F8_"):
+        return "; FP8 weights must be e4m3 (float8_e4m3fn), with quant_method 'fp8' in config.json"
     return ""
 
 
