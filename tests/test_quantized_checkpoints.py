@@ -3,7 +3,7 @@ dequantised at load for every family.
 
 References, all independent of the loader's code:
 
-- FP8: weights quantised here (per-block amax / 448, e4m3 rounding by ml_dtypes) and decoded here by an index
+- FP8 (``quant_method: "fp8"`` and compressed-tensors ``float-quantized``): weights quantised here (per-block amax / 448, e4m3 rounding by ml_dtypes) and decoded here by an index
   formula (``w8[i, j] * s[i // bn, j // bk]`` through explicit index arrays, codes cast by ml_dtypes, not the
   loader's table and pad/reshape), and by transformers' own ``Fp8Dequantize`` where the shapes are multiples
   of the block (it refuses others). Blocks of 16 x 16 on hidden-64 models, shapes that are not multiples.
@@ -127,6 +127,16 @@ INT4_CONFIG = {
 }
 
 
+def ct_fp8_config(strategy, **weights) -> dict:
+    """compressed-tensors ``float-quantized`` FP8 (llm-compressor's FP8_DYNAMIC: channel; FP8_BLOCK: block)."""
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": {
+                "num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True},
+                "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy,
+                            "dynamic": False, **weights}}},
+            "ignore": ["lm_head"]}
+
+
 def same_params(a, b):
     import jax
 
@@ -192,6 +202,35 @@ def test_fp8_tensors_decode_like_the_index_formula_and_transformers(tmp_path):
     one = SafetensorsDir(write(tmp_path / "one", {"quantization_config": fp8_config(None)},
                                {"x.weight": codes, "x.weight_scale_inv": np.array(0.5, np.float32)}))
     np.testing.assert_array_equal(one.get("x.weight"), codes.astype(np.float32) * 0.5)
+
+
+@pytest.mark.parametrize("strategy, weights, block", [
+    ("channel", {}, lambda n, k: (1, k)),
+    ("block", {"block_structure": [16, 16]}, lambda n, k: (16, 16)),
+    ("group", {"group_size": 32}, lambda n, k: (1, 32)),
+    ("tensor", {}, lambda n, k: (n, k)),
+])
+def test_compressed_tensors_fp8_decodes_like_the_index_formula(tmp_path, strategy, weights, block):
+    """compressed-tensors ``float-quantized``: ``<m>.weight`` e4m3 times ``<m>.weight_scale`` on each strategy's
+    grid (shapes not multiples of the block or group), through load-time names as for the fp8 method."""
+    rng = np.random.default_rng(5)
+    tensors, want = {}, {}
+    for key, (n, k) in {"a.weight": (48, 64), "b.weight": (40, 70)}.items():
+        codes, scale = quantise_fp8(rng.standard_normal((n, k)).astype(np.float32), block(n, k))
+        if strategy == "tensor":
+            scale = scale.reshape(1)
+        tensors[key], tensors[key + "_scale"] = codes, scale.astype(ml_dtypes.bfloat16)
+        want[key] = decode_fp8(codes, scale.astype(ml_dtypes.bfloat16).astype(np.float32).reshape(
+            (1, 1) if strategy == "tensor" else scale.shape), block(n, k))
+    src = SafetensorsDir(write(tmp_path / "t", {"quantization_config": ct_fp8_config(strategy, **weights)}, tensors))
+    for key, ref in want.items():
+        np.testing.assert_array_equal(src.get(key), ref, err_msg=key)
+    if strategy == "channel":  # a scale grid of another strategy is refused, naming the tensor
+        bad = write(tmp_path / "bad", {"quantization_config": ct_fp8_config(strategy, **weights)},
+                    {**tensors, "a.weight_scale": np.ones((48, 2), np.float32)})
+        with pytest.raises(CheckpointError, match=r"bad/model\.safetensors: tensor 'a\.weight_scale' has shape "
+                                                  r"\[48, 2\], expected \[48, 1\]: the scale grid of 'a\.weight'"):
+            SafetensorsDir(bad).get("a.weight")
 
 
 def test_ue8m0_scales_in_every_container(tmp_path):
@@ -349,7 +388,10 @@ def test_int4_experts_with_float_attention_load_as_their_decoding(tiny):
     (fp8_config(block=[128]), r"weight_block_size must be two positive integers"),
     (fp8_config(scale_fmt="e5m2"), r"scale_fmt 'e5m2' is not one of"),
     (fp8_config(fmt="e5m2"), r"fmt 'e5m2' is not supported"),
-    ({**INT4_CONFIG, "format": "float-quantized"}, r"compressed-tensors format 'float-quantized' is not supported"),
+    ({**INT4_CONFIG, "format": "int-quantized"}, r"compressed-tensors format 'int-quantized' is not supported"),
+    ({**INT4_CONFIG, "format": "nvfp4-pack-quantized"}, r"format 'nvfp4-pack-quantized' is not supported"),
+    ({**INT4_CONFIG, "format": "float-quantized"}, r"weights: type 'int' is not supported with format "
+                                                   r"'float-quantized' \(only 'float'\)"),
     ({**INT4_CONFIG, "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "symmetric": True,
                                                            "strategy": "group", "group_size": 32}}}},
      r"config_groups\.g\.weights: num_bits 8 is not supported"),
@@ -359,6 +401,8 @@ def test_int4_experts_with_float_attention_load_as_their_decoding(tiny):
     ({**INT4_CONFIG, "config_groups": {"g": {"weights": {"num_bits": 4, "type": "float", "symmetric": True,
                                                            "strategy": "group", "group_size": 32}}}},
      r"type 'float' is not supported"),
+    (ct_fp8_config("block", block_structure=[128]), r"block_structure must be two positive integers"),
+    (ct_fp8_config("token"), r"strategy 'token' is not supported"),
 ])
 def test_unsupported_quantization_configs_name_config_json(tiny, tmp_path, qc, message):
     root = tiny

@@ -30,6 +30,16 @@ as ``float8_e8m0fnu`` (``F8_E8M0``: one biased exponent byte, scale ``2 ** (b - 
 they are, ``F8_E8M0`` always, ``U8`` only when the config says ``ue8m0`` (a byte that is not known to be an
 exponent is refused). A NaN exponent byte is an error naming the tensor.
 
+**FP8, compressed-tensors ``float-quantized``** (llm-compressor's FP8 / FP8_DYNAMIC / FP8_BLOCK releases)::
+
+    quantization_config {quant_method: "compressed-tensors", format: "float-quantized",
+                         config_groups: {g: {weights: {num_bits: 8, type: "float", symmetric: true,
+                                                       strategy: "channel" | "block" | "group" | "tensor",
+                                                       block_structure: [bn, bk], group_size: g}}}, ignore}
+    <m>.weight        float8_e4m3fn [N, K]
+    <m>.weight_scale  [N, 1] (channel) | [ceil(N/bn), ceil(K/bk)] (block) | [N, ceil(K/g)] (group) | [1] (tensor)
+    W = w8 * scale over the same grid as above (compressed-tensors multiplies; it names no inverse)
+
 **INT4, compressed-tensors ``pack-quantized``** (Kimi K2-Thinking / K2.5 - K2.7)::
 
     quantization_config {quant_method: "compressed-tensors", format: "pack-quantized",
@@ -53,7 +63,8 @@ bf16 is the same number, so a bfloat16 load is identical to it and a float32 loa
 
 Refused with one ``CheckpointError`` naming config.json and the field: any other ``quant_method`` (gptq,
 awq, bitsandbytes, mxfp4 outside gpt-oss, whose experts ``expert_layouts`` decodes), another
-compressed-tensors format, bit width, type or strategy, asymmetric quantisation (zero points), activation
+compressed-tensors format (``int-quantized``, ``nvfp4-pack-quantized``, ``mixed-precision``, ...), bit
+width, type or strategy, asymmetric quantisation (zero points), activation
 ordering with a group index, several differing weight schemes, another FP8 encoding. A weight whose scale is
 missing or whose scale grid does not match its shape is one error naming the file and the tensor.
 
@@ -77,6 +88,7 @@ log = logging.getLogger(__name__)
 FP8_METHOD = "fp8"
 COMPRESSED_TENSORS = "compressed-tensors"
 PACK_QUANTIZED = "pack-quantized"
+FLOAT_QUANTIZED = "float-quantized"
 #: Stored dtypes whose tensors are FP8 weight codes.
 FP8_WEIGHT_DTYPES = ("F8_E4M3",)
 #: The FP8 e4m3fn code table: code (one byte) -> float32. 0x7F and 0xFF are NaN.
@@ -103,15 +115,35 @@ def _ceil_div(a: int, b: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Scheme:
-    """``quant_method: "fp8"``: block ``(bn, bk)`` or ``None`` (one scale per tensor)."""
+    """FP8 e4m3 weights times a scale grid: ``quant_method: "fp8"`` (``<key>_scale_inv``, block ``(bn, bk)`` or
+    ``None`` for one scale per tensor) or compressed-tensors ``float-quantized`` (``<m>.weight_scale``;
+    ``strategy`` "block", "channel" (one scale per output row), "group" (``(1, group)``) or "tensor")."""
 
     block: tuple[int, int] | None
     scale_fmt: str
     source: str  # config.json, for messages
+    scale_suffix: str = "_scale_inv"
+    strategy: str = "block"
+
+    def block_for(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """The block one scale covers in a tensor of ``shape`` (``None``: the whole tensor)."""
+        if self.strategy == "channel":
+            return (1, shape[-1])
+        return self.block if self.strategy in ("block", "group") else None
+
+    def scale_key(self, key: str) -> str:
+        """``<m>.weight`` -> ``<m>.weight_scale_inv`` / ``<m>.weight_scale``; transformers names the scale of a
+        tensor not called ``.weight`` (a fused ``experts.gate_up_proj``) ``<key>_scale_inv`` alike."""
+        return key + self.scale_suffix
 
     def describe(self) -> str:
-        grid = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "one scale per tensor"
-        return f"FP8 e4m3, {grid}, scale_fmt {self.scale_fmt}"
+        if self.strategy == "channel":
+            grid = "one scale per output channel"
+        elif self.block:
+            grid = f"{self.block[0]}x{self.block[1]} blocks"
+        else:
+            grid = "one scale per tensor"
+        return f"FP8 e4m3, {grid}" + (f", scale_fmt {self.scale_fmt}" if self.scale_suffix == "_scale_inv" else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,14 +225,15 @@ def _parse_fp8(q: Mapping[str, Any], where: str, source: str) -> Fp8Scheme:
         block = (int(block[0]), int(block[1]))
     if q.get("modules_to_convert"):
         raise QuantizationError(f"{where}: modules_to_convert (FP8 embeddings) is not supported")
-    return Fp8Scheme(block=block, scale_fmt=scale_fmt, source=source)
+    return Fp8Scheme(block=block, scale_fmt=scale_fmt, source=source, strategy="block" if block else "tensor")
 
 
-def _parse_compressed_tensors(q: Mapping[str, Any], where: str, source: str) -> Int4Scheme:
+def _parse_compressed_tensors(q: Mapping[str, Any], where: str, source: str) -> Int4Scheme | Fp8Scheme:
     fmt = q.get("format")
-    if fmt != PACK_QUANTIZED:
+    if fmt not in (PACK_QUANTIZED, FLOAT_QUANTIZED):
         raise QuantizationError(f"{where}: compressed-tensors format {fmt!r} is not supported (only "
-                                f"{PACK_QUANTIZED!r}, symmetric INT4)")
+                                f"{PACK_QUANTIZED!r}: symmetric INT4, and {FLOAT_QUANTIZED!r}: FP8 e4m3)")
+    kind, bits = ("int", 4) if fmt == PACK_QUANTIZED else ("float", 8)
     groups = q.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise QuantizationError(f"{where}: config_groups must be a non-empty object")
@@ -210,10 +243,12 @@ def _parse_compressed_tensors(q: Mapping[str, Any], where: str, source: str) -> 
         weights = group.get("weights") if isinstance(group, Mapping) else None
         if not isinstance(weights, Mapping):
             raise QuantizationError(f"{gw} must be an object")
-        if weights.get("type", "int") != "int":
-            raise QuantizationError(f"{gw}: type {weights.get('type')!r} is not supported (only 'int')")
-        if weights.get("num_bits") != 4:
-            raise QuantizationError(f"{gw}: num_bits {weights.get('num_bits')!r} is not supported (only 4)")
+        if weights.get("type", "int") != kind:
+            raise QuantizationError(f"{gw}: type {weights.get('type')!r} is not supported with format {fmt!r} "
+                                    f"(only {kind!r})")
+        if weights.get("num_bits") != bits:
+            raise QuantizationError(f"{gw}: num_bits {weights.get('num_bits')!r} is not supported with format "
+                                    f"{fmt!r} (only {bits})")
         if weights.get("symmetric") is not True:
             raise QuantizationError(f"{gw}: symmetric {weights.get('symmetric')!r}: asymmetric quantisation (zero "
                                     "points) is not supported")
@@ -222,13 +257,22 @@ def _parse_compressed_tensors(q: Mapping[str, Any], where: str, source: str) -> 
         strategy = weights.get("strategy")
         if strategy == "group":
             size = weights.get("group_size")
-            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            if not _positive_int(size):
                 raise QuantizationError(f"{gw}: group_size must be a positive integer, got {size!r}")
-            schemes.add(size)
+            schemes.add(("group", (1, size)))
         elif strategy == "channel":
-            schemes.add(None)
+            schemes.add(("channel", None))
+        elif strategy == "block" and kind == "float":
+            block = weights.get("block_structure")
+            if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(map(_positive_int, block))):
+                raise QuantizationError(f"{gw}: block_structure must be two positive integers, got {block!r}")
+            schemes.add(("block", (int(block[0]), int(block[1]))))
+        elif strategy == "tensor" and kind == "float":
+            schemes.add(("tensor", None))
         else:
-            raise QuantizationError(f"{gw}: strategy {strategy!r} is not supported ('group' or 'channel')")
+            allowed = "'group', 'channel'" + (", 'block', 'tensor'" if kind == "float" else "")
+            raise QuantizationError(f"{gw}: strategy {strategy!r} is not supported with format {fmt!r} "
+                                    f"({allowed})")
         for act in ("input_activations", "output_activations"):
             if group.get(act):
                 log.info("%s: %s %s is not applied: the weights are dequantised, the activations kept in the "
@@ -236,15 +280,17 @@ def _parse_compressed_tensors(q: Mapping[str, Any], where: str, source: str) -> 
     if len(schemes) != 1:
         raise QuantizationError(f"{where}: config_groups declare different weight schemes "
                                 f"({sorted(map(str, schemes))}); only one is supported")
-    return Int4Scheme(group_size=schemes.pop(), source=source)
+    strategy, block = schemes.pop()
+    if kind == "float":
+        return Fp8Scheme(block=block, scale_fmt="float", source=source, scale_suffix="_scale", strategy=strategy)
+    return Int4Scheme(group_size=block[1] if block else None, source=source)
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 # --- the tensors ---------------------------------------------------------------------------------------
-
-def fp8_scale_key(key: str) -> str:
-    """The scale of an FP8 tensor, named as transformers names it."""
-    return key[: -len(".weight")] + ".weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"
-
 
 def packed_names(weight_key: str) -> tuple[str, str, str]:
     """``<m>.weight`` -> its compressed-tensors tensors (``weight_packed``, ``weight_scale``, ``weight_shape``)."""
@@ -284,18 +330,19 @@ def _scale_values(reader: Reader, scale_key: str, scheme: Fp8Scheme) -> np.ndarr
 
 
 def dequantize_fp8(reader: Reader, key: str, scheme: Fp8Scheme, out_dtype: Any = np.float32) -> np.ndarray:
-    """The float weight ``key`` (stored FP8) with its ``weight_scale_inv`` applied, as ``out_dtype``."""
+    """The float weight ``key`` (stored FP8) with its scale grid applied, as ``out_dtype``."""
     f = reader.key_to_file[key]
     shape = reader.stored_shape(key)
-    scale_key = fp8_scale_key(key)
+    scale_key = scheme.scale_key(key)
     what = f"({scheme.describe()}, {scheme.source})"
     if scale_key not in reader.key_to_file:
         raise QuantizationError(f"{f}: FP8 tensor {key!r} has no scale tensor {scale_key!r} {what}")
-    want = fp8_grid(shape, scheme.block)
-    got = reader.stored_shape(scale_key)
-    if scheme.block is not None and len(shape) < 2:
+    if scheme.strategy != "tensor" and len(shape) < 2:
         raise QuantizationError(f"{f}: FP8 tensor {key!r} has shape {list(shape)}; block scales need a matrix")
-    if got != want and not (scheme.block is None and got in ((1,), (1, 1))):
+    block = scheme.block_for(shape)
+    want = fp8_grid(shape, block)
+    got = reader.stored_shape(scale_key)
+    if got != want and not (block is None and got in ((1,), (1, 1))):
         raise QuantizationError(
             f"{reader.key_to_file[scale_key]}: tensor {scale_key!r} has shape {list(got)}, expected {list(want)}: "
             f"the scale grid of {key!r} {list(shape)} {what}")
@@ -304,10 +351,10 @@ def dequantize_fp8(reader: Reader, key: str, scheme: Fp8Scheme, out_dtype: Any =
     if ((codes & 0x7F) == 0x7F).any():
         raise QuantizationError(f"{f}: FP8 tensor {key!r} holds the e4m3 NaN code (0x7F / 0xFF)")
     w = _fp8_table()[codes]  # float32, exact
-    if scheme.block is None:
+    if block is None:
         w *= scale.reshape(())
         return w.astype(out_dtype, copy=False)
-    bn, bk = scheme.block
+    bn, bk = block
     n, k = shape[-2:]
     gn, gk = want[-2:]
     lead = shape[:-2]
