@@ -224,3 +224,27 @@ def test_the_nested_config_reads_as_its_text_config():
     assert TargetConfig.from_dict(nested) == TargetConfig.from_dict(_config())
     with pytest.raises(ConfigError, match="text_config"):
         TargetConfig.from_dict({"model_type": "muse_glimmer", "vision_config": dict(VISION)}, "muse/config.json")
+
+
+def test_random_params_start_the_final_norm_where_transformers_does(tmp_path):
+    """``random_params`` (speed presets, new models) starts the w-form final norm at one, as transformers' own
+    init does (reference: an un-randomised transformers model, saved and loaded); at zero every logit would be
+    0. The (1 + w) layer norms start at zero, their identity (transformers starts them at one, a scale of 2:
+    not copied, checked here so that the choice is deliberate)."""
+    import jax
+
+    from dflash_jax.checkpoints.hf_target import abstract_target_params
+    from dflash_jax.models.init import random_params
+
+    cfg = transformers.MuseGlimmerConfig(text_config=MUSE_TEXT, vision_config=MUSE_VISION, out_hidden_size=128,
+                                         projector_hidden_size=32)
+    transformers.MuseGlimmerForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    config, reference = load_target(tmp_path)
+    drawn = random_params(abstract_target_params(config), zero_centered_norms=config.zero_centered_norms,
+                          final_norm_plain=config.final_norm_plain)
+    assert jax.tree_util.tree_structure(drawn) == jax.tree_util.tree_structure(reference)
+    np.testing.assert_array_equal(np.asarray(drawn["norm"]["weight"]), np.asarray(reference["norm"]["weight"]))
+    layer_norms = [leaf for path, leaf in flatten(drawn).items()
+                   if path[0].startswith("layers_") and path[-1] == "weight" and leaf.ndim == 1]
+    assert len(layer_norms) == 4 * config.num_hidden_layers
+    assert all(not np.asarray(leaf).any() for leaf in layer_norms)

@@ -227,7 +227,8 @@ def preset_models(name: str, block_size: int | None = None, dtype: Any = jnp.flo
     if block_size is not None and not 2 <= block_size <= draft.block_size:
         raise UserError(f"block_size {block_size} must be between 2 and the draft's block_size {draft.block_size}")
     target_params = random_params(abstract_target_params(target, dtype), seed,
-                                  zero_centered_norms=target.zero_centered_norms)
+                                  zero_centered_norms=target.zero_centered_norms,
+                                  final_norm_plain=target.final_norm_plain)
     draft_params = random_params(abstract_draft_params(draft, dtype), seed + 1)
     return target, target_params, draft, draft_params
 

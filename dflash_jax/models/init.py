@@ -44,14 +44,18 @@ def _normal_on_device(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: j
     return buf
 
 
-def _is_zero_centered_norm(path) -> bool:
-    """A zero-centred RMSNorm's weight (hybrid targets scale by ``1 + w``), i.e. every norm weight but the
-    Gated DeltaNet's output norm (``linear_attn/norm``, a plain scale)."""
+def _is_zero_centered_norm(path, final_norm_plain: bool = False) -> bool:
+    """A zero-centred RMSNorm's weight (hybrid targets and Muse Glimmer scale by ``1 + w``), i.e. every norm
+    weight but the Gated DeltaNet's output norm (``linear_attn/norm``, a plain scale) and, with
+    ``final_norm_plain`` (Muse Glimmer), the final norm (``norm/weight`` at the top, a plain ``w``)."""
     keys = [getattr(k, "key", "") for k in path]
+    if final_norm_plain and keys == ["norm", "weight"]:
+        return False
     return not (len(keys) >= 3 and keys[-3:] == ["linear_attn", "norm", "weight"])
 
 
-def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_centered_norms: bool = False) -> Any:
+def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_centered_norms: bool = False,
+                  final_norm_plain: bool = False) -> Any:
     """Random weights for a params tree of ``jax.ShapeDtypeStruct``. Norm weights (and Gemma 4's layer and
     router scales) are one, biases zero,
     DFlash2 convolution base kernels the identity,
@@ -59,7 +63,8 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
     scale 2^-5), or N(0, std^2) when ``std`` is given (0.02 is
     Hugging Face's ``initializer_range``, a new draft's start). Unit-scale activations keep greedy choices
     well separated in speed runs and tests. ``zero_centered_norms`` (a hybrid target's
-    ``TargetConfig.zero_centered_norms``): its norm weights start at zero, the identity of ``1 + w``. Models up to ``HOST_INIT_LIMIT`` parameters are drawn with NumPy
+    ``TargetConfig.zero_centered_norms``): its norm weights start at zero, the identity of ``1 + w``, but the final
+    norm at one with ``final_norm_plain`` (``TargetConfig.final_norm_plain``: Muse Glimmer's plain ``w``). Models up to ``HOST_INIT_LIMIT`` parameters are drawn with NumPy
     (no per-shape compiles); bigger ones (8B) with ``jax.random`` directly on the default device, with no
     host copy, leaves of more than ``DEVICE_SLICE`` elements a slice of rows at a time (so building peaks at
     about the params' own size)."""
@@ -77,7 +82,7 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
         elif name in ("layer_scalar", "scale", "per_expert_scale"):
             out.append(jnp.ones(shape, dtype))
         elif name == "weight" and len(shape) == 1:
-            value = 0.0 if zero_centered_norms and _is_zero_centered_norm(path) else 1.0
+            value = 0.0 if zero_centered_norms and _is_zero_centered_norm(path, final_norm_plain) else 1.0
             out.append(jnp.asarray(np.full(shape, value, np.float32), dtype))
         elif name == "bias":
             out.append(jnp.asarray(np.zeros(shape, np.float32), dtype))
