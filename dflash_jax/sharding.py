@@ -37,6 +37,13 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"o_proj/kernel$", ("heads", "embed")),
     (r"o_proj/bias$", ("embed",)),
     (r"self_attn/gate_proj/kernel$", ("embed", "heads")),  # Muse Glimmer's output gate, one unit per head dim
+    # Multi-head latent attention (models/mla.py): the low-rank down-projections [H, rank] (the latent every head
+    # shares, and the query's) split like any weight over fsdp and whole over tensor; the up-projections
+    # [rank, heads * ...] by their heads over tensor, as q_proj and o_proj are. The latent cache has one head:
+    # replicated over tensor (``spec_for``: 1 is not divisible), rows over the data axes.
+    (r"self_attn/(q_a_proj|kv_a_proj_with_mqa)/kernel$", ("embed", None)),
+    (r"self_attn/(q_a_proj|kv_a_proj_with_mqa)/bias$", (None,)),
+    (r"self_attn/(q_b_proj|kv_b_proj)/kernel$", (None, "heads")),
     (r"(gate|up)_proj/kernel$", ("embed", "mlp")),
     (r"(gate|up)_proj/bias$", ("mlp",)),
     (r"down_proj/kernel$", ("mlp", "embed")),
@@ -45,7 +52,8 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     # Mixture-of-experts layers (models/experts.py): stacked experts [E, in, out] split over the expert axis.
     (r"mlp/(gate|router)/kernel$", ("embed", None)),  # the router [H, E]: small, replicated over experts
     (r"mlp/router/bias$", (None,)),
-    (r"mlp/e_score_correction_bias$", (None,)),  # MiniMax-M2's selection bias [E]: replicated like the router
+    # MiniMax-M2's and DeepSeek-V3's selection bias [E]: replicated like the router
+    (r"mlp/e_score_correction_bias$", (None,)),
     # Gemma 4's router beside the dense MLP (``moe/router``): [H, E] like the others, its input scale [H] and
     # per-expert scale [E] replicated; its experts follow the stacked-expert rules below.
     (r"moe/router/proj/kernel$", ("embed", None)),

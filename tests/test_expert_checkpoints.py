@@ -147,8 +147,8 @@ def test_broken_expert_tensors_are_clear_errors(dirs, tmp_path):
     ("qwen3_moe", {"moe_intermediate_size": None}, r"missing required field 'moe_intermediate_size'"),
     ("gpt_oss", {"layer_types": ["full_attention"]}, r"field 'layer_types' must list"),
     ("gpt_oss", {"sliding_window": None}, r"sliding_attention layers need a 'sliding_window'"),
-    ("gpt_oss", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 32.0, "mscale": 1.0,
-                                     "original_max_position_embeddings": 4096}}, r"mscale.* not supported"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.5e5, "factor": 32.0,
+                                     "original_max_position_embeddings": 4096}}, r"rope type 'longrope' is not supported"),
 ])
 def test_bad_expert_configs_name_the_field(dirs, tmp_path, family, change, message):
     src = dirs / family

@@ -3,8 +3,9 @@
 The experts' parameters are ``[E, in, out]`` stacks (``experts/{gate,up}_proj [E, H, I]``,
 ``experts/down_proj [E, I, H]``, gpt-oss biases ``[E, I]``/``[E, H]``). Checkpoints hold them as:
 
-- per expert (released Qwen3-MoE, and what transformers writes): ``mlp.experts.{j}.gate_proj.weight [I, H]``
-  (PyTorch ``[out, in]``), one tensor per expert and projection;
+- per expert (released Qwen3-MoE, DeepSeek-V3 and Kimi K2, and what transformers writes):
+  ``mlp.experts.{j}.gate_proj.weight [I, H]`` (PyTorch ``[out, in]``), one tensor per expert and projection
+  (DeepSeek-V3's router bias inside its router: ``mlp.gate.e_score_correction_bias``, ``moe_key``);
 - per expert, Mixtral names (MiniMax-M2, released and written by transformers): the block is
   ``block_sparse_moe`` and expert j's projections ``block_sparse_moe.experts.{j}.w1`` (gate), ``.w3`` (up),
   ``.w2`` (down) ``.weight``; its router ``block_sparse_moe.gate.weight`` and ``e_score_correction_bias``
@@ -47,6 +48,9 @@ MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # Families whose expert block (params ``layers_{i}/moe``, beside the dense ``mlp``) is stored at the layer's top
 # level, its experts fused Qwen style (Gemma 4).
 TOP_LEVEL_MOE = ("gemma4_text",)
+# Families whose selection-only router bias sits inside the router (``mlp.gate.e_score_correction_bias``, the
+# params' ``mlp/e_score_correction_bias``): DeepSeek-V3 and Kimi K2.
+ROUTER_HELD_BIAS = ("deepseek_v3", "kimi_k2")
 #: ``load_target(..., mxfp4=...)``: what to do with MXFP4 expert weights.
 MXFP4_MODES = ("dequantize", "packed")
 
@@ -76,6 +80,8 @@ def moe_key(config: TargetConfig, key: str) -> str:
         return re.sub(r"(^|\.)(layers\.\d+)\.mlp\.", r"\1\2.block_sparse_moe.", key, count=1)
     if config.model_type in TOP_LEVEL_MOE:
         return re.sub(r"(^|\.)(layers\.\d+)\.moe\.", r"\1\2.", key, count=1)
+    if config.model_type in ROUTER_HELD_BIAS:
+        return re.sub(r"\.mlp\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias", key)
     return key
 
 
@@ -84,11 +90,12 @@ def is_expert_param(path: tuple[str, ...]) -> bool:
 
 
 def expert_rule(config: TargetConfig, source: SafetensorsDir, prefix: str,
-                path: tuple[str, ...]) -> Derived:
+                path: tuple[str, ...], layers: str = "layers") -> Derived:
     """The stored tensors and the transform that make the expert parameter at ``path``
-    (``('layers_3', 'mlp', 'experts', 'gate_proj')``), for whichever layout ``source`` holds."""
+    (``('layers_3', 'mlp', 'experts', 'gate_proj')``), for whichever layout ``source`` holds. ``layers``: what
+    the checkpoint calls its decoder layers (Kimi K2.5 as transformers 5.x saves it: ``blocks``)."""
     layer = int(path[0].split("_")[1])
-    base = moe_key(config, f"{prefix}layers.{layer}.{path[1]}.experts")
+    base = moe_key(config, f"{prefix}{layers}.{layer}.{path[1]}.experts")
     e, h, i = config.experts.num_experts, config.hidden_size, config.experts.intermediate_size
     name, where = path[-1], f"{base} ({path[-1]})"
     has = source.key_to_file.__contains__

@@ -46,7 +46,15 @@ UNUSED_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token predict
                    "model.vision_tower.": "vision tower", "model.embed_vision.": "vision embedder",
                    "model.vision_embedder.": "vision embedder", "model.audio_tower.": "audio tower",
                    "model.embed_audio.": "audio embedder", "model.vision_adapter.": "vision adapter",
-                   "model.vision_projection.": "vision projection"}
+                   "model.vision_projection.": "vision projection",
+                   "vision_tower.": "vision tower", "mm_projector.": "multimodal projector",
+                   "model.mm_projector.": "multimodal projector"}
+# Kimi K2.5-K2.7 (``kimi_k25``): the language model under ``language_model.model.`` and its head
+# ``language_model.lm_head``, as the released checkpoints store them; transformers 5.x's save_pretrained writes
+# the same prefix with the decoder layers renamed ``blocks`` (it reverses its global ``blocks -> layers``
+# rename), which ``load_target`` reads too.
+KIMI_LANGUAGE_MODEL_PREFIX = "language_model.model."
+KIMI_HEAD = "language_model.lm_head.weight"
 # Families whose only language-model class is multimodal (Muse Glimmer's MuseGlimmerForConditionalGeneration):
 # an export keeps that class's names, the language model under ``model.language_model.``.
 EXPORT_PREFIXES = {MUSE_GLIMMER_TEXT: LANGUAGE_MODEL_PREFIX}
@@ -90,15 +98,27 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
     dtype = resolve_dtype(dtype)
     source = SafetensorsDir(path)
     prefix = _weight_prefix(source)
+    layers = "blocks" if prefix == KIMI_LANGUAGE_MODEL_PREFIX and any(
+        k.startswith(prefix + "blocks.") for k in source.keys()) else "layers"
+    _note_skipped_mtp(source, config, prefix, layers)
+    if prefix == KIMI_LANGUAGE_MODEL_PREFIX and config.tie_word_embeddings and KIMI_HEAD in source.key_to_file:
+        raise CheckpointError(
+            f"{path / 'config.json'}: the output head is tied to the embeddings (top-level tie_word_embeddings "
+            f"true, or absent: transformers' default for kimi_k25 is true), but {source.file_of(KIMI_HEAD)} stores "
+            f"a separate head {KIMI_HEAD!r}; set \"tie_word_embeddings\" at the top level of config.json")
     abstract = abstract_target_params(config, dtype if dtype is not None else jnp.float32)
     mirror = target_key_of(prefix)
 
     def key_of(param_path):
         if is_expert_param(param_path):
-            return expert_rule(config, source, prefix, param_path)
+            return expert_rule(config, source, prefix, param_path, layers)
         if config.model_type in GROUPED_LINEAR_PROJECTIONS and param_path[-2] in SPLIT_PROJECTIONS:
             return _grouped_projection_rule(config, prefix, param_path)
         key = mirror(param_path)
+        if prefix == KIMI_LANGUAGE_MODEL_PREFIX and param_path[0] == "lm_head":
+            return KIMI_HEAD
+        if key.startswith(prefix + "layers."):  # Kimi as transformers 5.x saves it: ``blocks``
+            key = prefix + layers + key[len(prefix + "layers"):]
         stored = moe_key(config, key)  # MiniMax-M2's router under block_sparse_moe, Gemma 4's at the top level
         return key if stored not in source.key_to_file and key in source.key_to_file else stored
 
@@ -114,17 +134,29 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
 
 
 def _weight_prefix(source: SafetensorsDir) -> str:
-    """``model.language_model.`` (multimodal Qwen3.5; its unused towers are noted in the log), ``model.``
-    (``*ForCausalLM``) or none (a bare ``*Model``)."""
+    """``model.language_model.`` (multimodal Qwen3.5, Gemma 4, Muse Glimmer), ``language_model.model.`` (Kimi
+    K2.5-K2.7; the unused towers of both are noted in the log), ``model.`` (``*ForCausalLM``) or none (a bare
+    ``*Model``)."""
     keys = source.keys()
-    if any(k.startswith(LANGUAGE_MODEL_PREFIX) for k in keys):
-        for unused, what in UNUSED_PREFIXES.items():
-            n = sum(k.startswith(unused) for k in keys)
-            if n:
-                log.info("%s: skipping %d tensor(s) of the %s (%s*): a text target does not use them",
-                         source.path, n, what, unused)
-        return LANGUAGE_MODEL_PREFIX
+    for prefix in (LANGUAGE_MODEL_PREFIX, KIMI_LANGUAGE_MODEL_PREFIX):
+        if any(k.startswith(prefix) for k in keys):
+            for unused, what in UNUSED_PREFIXES.items():
+                n = sum(k.startswith(unused) for k in keys)
+                if n:
+                    log.info("%s: skipping %d tensor(s) of the %s (%s*): a text target does not use them",
+                             source.path, n, what, unused)
+            return prefix
     return "model." if any(k.startswith("model.") for k in keys) else ""
+
+
+def _note_skipped_mtp(source: SafetensorsDir, config: TargetConfig, prefix: str, layers: str) -> None:
+    """DeepSeek-V3's multi-token-prediction layer is stored as one more decoder layer
+    (``model.layers.{num_hidden_layers}.*``), which the decoder does not run: say so in the log."""
+    extra = f"{prefix}{layers}.{config.num_hidden_layers}."
+    n = sum(k.startswith(extra) for k in source.keys())
+    if n:
+        log.info("%s: skipping %d tensor(s) of the multi-token prediction layer (%s*): the target decoder has %d "
+                 "layers", source.path, n, extra, config.num_hidden_layers)
 
 
 def _grouped_projection_rule(config: TargetConfig, prefix: str, path: tuple[str, ...]) -> Derived:

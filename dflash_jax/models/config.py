@@ -45,6 +45,17 @@ class RopeConfig:
     # "proportional" (Gemma 4's full layers): only the first ``int(partial_rotary_factor * head_dim // 2)``
     # frequencies turn (exponents over the WHOLE head_dim), the others are zero, then all are divided by factor.
     partial_rotary_factor: float = 1.0
+    # YaRN's ``mscale`` / ``mscale_all_dim`` (DeepSeek-V3, Kimi K2): with both set and no explicit
+    # attention_factor, the cos/sin factor is get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    # (1 for DeepSeek-V3's 1.0 / 1.0); ``mscale_all_dim`` also multiplies the softmax scale of multi-head latent
+    # attention by get_mscale(factor, mscale_all_dim)^2 (``MLAConfig.softmax_scale``). 0: not given.
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+
+
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    """transformers' (and DeepSeek's) YaRN magnitude scale: ``0.1 * mscale * ln(factor) + 1``, 1 at factor <= 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def parse_rope(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
@@ -87,11 +98,15 @@ def parse_rope(cfg: Mapping[str, Any], source: str = "config") -> RopeConfig:
         kw["beta_fast"] = float_field(merged, "beta_fast", where, 32.0, positive=True) or 32.0
         kw["beta_slow"] = float_field(merged, "beta_slow", where, 1.0, positive=True) or 1.0
         kw["truncate"] = bool_field(merged, "truncate", where, True)
-        if _present(merged, "mscale") or _present(merged, "mscale_all_dim"):
-            raise ConfigError(f"{where}: YaRN mscale/mscale_all_dim are not supported")
+        kw["mscale"] = float_field(merged, "mscale", where, 0.0)
+        kw["mscale_all_dim"] = float_field(merged, "mscale_all_dim", where, 0.0)
         factor = kw["factor"]
-        # transformers: 0.1 * ln(factor) + 1 unless given (no scaling at factor <= 1)
-        default_af = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        # transformers' _compute_yarn_parameters, unless given: with both mscales (truthy), their ratio of
+        # magnitude scales; else 0.1 * ln(factor) + 1 (no scaling at factor <= 1)
+        if kw["mscale"] and kw["mscale_all_dim"]:
+            default_af = yarn_get_mscale(factor, kw["mscale"]) / yarn_get_mscale(factor, kw["mscale_all_dim"])
+        else:
+            default_af = yarn_get_mscale(factor)
         kw["attention_factor"] = float_field(merged, "attention_factor", where, default_af, positive=True)
     return RopeConfig(**kw)
 
@@ -118,6 +133,7 @@ def rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
             "truncate": rope.truncate,
             "attention_factor": rope.attention_factor,
             "original_max_position_embeddings": rope.original_max_position_embeddings,
+            **{k: v for k, v in (("mscale", rope.mscale), ("mscale_all_dim", rope.mscale_all_dim)) if v},
         }
     elif rope.rope_type == "proportional":  # transformers' check names "factor" unexpected, though it reads it
         out["rope_scaling"] = {"rope_type": "proportional", "partial_rotary_factor": rope.partial_rotary_factor,
@@ -268,6 +284,16 @@ class ExpertsConfig:
     activation: str = "silu"
     swiglu_limit: float = 7.0
     shared_intermediate_size: int = 0  # a shared expert scaled by sigmoid(shared_expert_gate(x)); 0 = none
+    # False: DeepSeek-V3's shared experts (params ``shared_experts``, transformers' name), added without a gate.
+    shared_expert_gate: bool = True
+    # DeepSeek-V3's router (``routing="sigmoid_topk"`` with the selection bias): the experts come in ``n_group``
+    # equal groups, a group scores the sum of its two best biased scores, and only the ``topk_group`` best groups'
+    # experts may be chosen (1, 1: no restriction); the renormalised weights (``norm_eps`` added to their sum)
+    # are then multiplied by ``routed_scaling_factor``.
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_eps: float = 0.0
     # How the routed experts' weights live on the device. "float": ``experts/{gate,up,down}_proj`` in the compute
     # dtype. "mxfp4": kept packed as gpt-oss stores them (``experts/*_proj_blocks`` / ``_scales``, uint8, 4.25 bits
     # per weight; ``models/mxfp4``) and decoded inside the layer's computation. Not part of the Hugging Face
@@ -305,6 +331,33 @@ class GatedDeltaNetConfig:
     def conv_dim(self) -> int:
         """Channels of the convolution: the concatenated ``[q | k | v]`` (``2 * key_dim + value_dim``)."""
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): queries through a low-rank path (``q_lora_rank``;
+    0: a direct ``q_proj``), keys and values from one per-token latent of ``kv_lora_rank`` plus one RoPE key of
+    ``qk_rope_head_dim`` shared by every head (``models/mla.py``)."""
+
+    q_lora_rank: int  # 0: q_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # RoPE on (even, odd) pairs, outputs permuted to evens then odds
+    softmax_scale: float = 1.0  # (nope + rope)^-0.5, times YaRN's get_mscale(factor, mscale_all_dim)^2
+    attention_bias: bool = False  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj (q_proj never has one)
+    # The low-rank norms' eps: transformers builds them with its RMSNorm default, never rms_norm_eps.
+    latent_norm_eps: float = 1e-6
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_width(self) -> int:
+        """Values per token in a layer's latent cache: the normed latent, then the roped shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,6 +437,10 @@ class TargetConfig:
     attention_gate_proj: bool = False
     nope_layers: tuple[int, ...] = ()
     output_multiplier: float = 1.0
+    # DeepSeek-V3 / Kimi K2: every layer's token mixer is multi-head latent attention (``models/mla.py``) and
+    # keeps a latent cache; ``num_key_value_heads`` then equals the query heads and ``head_dim`` is the query-key
+    # head size (``MLAConfig.qk_head_dim``), as the expanded form computes.
+    mla: MLAConfig | None = None
     # Not a checkpoint setting: each KV head is kept this many times in the cache, so that a model with fewer
     # KV heads than the mesh's tensor axis still splits its cache over it (``sharding.kv_replicas``; the
     # engine sets it). The projections are unchanged; the copies are made after them.
@@ -432,6 +489,8 @@ class TargetConfig:
                 f"(supported: {', '.join(FAMILIES)})"
             )
         read_family = FAMILIES[model_type]
+        if model_type in MLA_FAMILIES:
+            cfg = _mla_attention_fields(cfg, source)
         if int_field(cfg, "pretraining_tp", source, 1) != 1:
             raise ConfigError(f"{source}: pretraining_tp != 1 is not supported")
         hidden, heads, kv_heads, head_dim = attention_shape(cfg, source)
@@ -487,6 +546,8 @@ class TargetConfig:
             out.update(_gemma4_to_hf(self))
         if self.model_type == MUSE_GLIMMER_TEXT:
             return _muse_glimmer_to_hf(self, out)
+        if self.model_type in MLA_FAMILIES:
+            return _deepseek_v3_to_hf(self, out)
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
         e = self.experts
@@ -983,9 +1044,121 @@ def _muse_glimmer_to_hf(config: "TargetConfig", text: dict[str, Any]) -> dict[st
             "projector_hidden_size": MUSE_GLIMMER_EXPORT_VISION["hidden_size"]}
 
 
+# Multi-head latent attention families: DeepSeek-V3 and Kimi K2 / K2.5-K2.7's text decoder (``kimi_k2``, which
+# transformers reads as a DeepseekV3Config).
+MLA_FAMILIES = ("deepseek_v3", "kimi_k2")
+# Fields of DeepSeek's own config.json that transformers does not read (it hard-codes what they describe):
+# a value other than the one computed here is refused, not ignored.
+DEEPSEEK_V3_FIXED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
+
+
+def _mla_head_dims(cfg: Mapping[str, Any], source: str) -> tuple[int, int]:
+    """``qk_nope_head_dim, qk_rope_head_dim`` (transformers' defaults 128 and 64)."""
+    return (int_field(cfg, "qk_nope_head_dim", source, 128),
+            int_field(cfg, "qk_rope_head_dim", source, 64))
+
+
+def _mla_attention_fields(cfg: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """An MLA config with the generic attention fields as the decoder reads them. transformers derives
+    ``head_dim`` from ``qk_rope_head_dim`` (the RoPE size) and uses ``num_key_value_heads`` only to repeat the
+    expanded keys, one per query head already (its sdpa path ignores it; 5.x writes the class default, 128, for
+    any head count): neither is read. Here: one key head per query head, of the query-key size."""
+    nope, rope = _mla_head_dims(cfg, source)
+    if rope % 2 or nope % 2:
+        raise ConfigError(f"{source}: fields 'qk_nope_head_dim' ({nope}) and 'qk_rope_head_dim' ({rope}) must be "
+                          "even (RoPE turns pairs; the head sizes of every released model are)")
+    heads = require(cfg, "num_attention_heads", source)
+    return {**cfg, "num_key_value_heads": heads, "head_dim": nope + rope}
+
+
+def _deepseek_v3_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """DeepSeek-V3 and Kimi K2's text decoder (transformers' DeepseekV3): multi-head latent attention on every
+    layer (``MLAConfig``, SPEC 11.4), dense SwiGLU layers first (``first_k_dense_replace``), then experts chosen
+    by sigmoid scores plus a selection-only correction bias within the best ``topk_group`` of ``n_group`` groups,
+    weighted by their renormalised scores times ``routed_scaling_factor``, plus ungated shared experts. The
+    multi-token-prediction layer (``model.layers.{num_hidden_layers}``) is not part of the decoder."""
+    _check_silu(cfg, source)
+    for key, value in DEEPSEEK_V3_FIXED.items():
+        if _present(cfg, key) and cfg[key] != value:
+            raise ConfigError(f"{source}: field {key!r} is {cfg[key]!r}, but transformers' DeepseekV3 (what this "
+                              f"implementation computes) always has {value!r}")
+    for key in ("n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace"):
+        if key in cfg and cfg[key] is None:  # transformers would fail on these, not default them
+            raise ConfigError(f"{source}: field {key!r} must be an integer, got null")
+    nope, rope_dim = _mla_head_dims(cfg, source)
+    rope = parse_rope(cfg, source)
+    if rope.rope_type not in ("default", "yarn"):
+        raise ConfigError(f"{source}: rope type {rope.rope_type!r} is not supported for multi-head latent attention "
+                          "(only 'default' and 'yarn')")
+    params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else {}
+    for where in (cfg, params):
+        if _present(where, "partial_rotary_factor") and where["partial_rotary_factor"] != 1:
+            raise ConfigError(f"{source}: field 'partial_rotary_factor' is {where['partial_rotary_factor']!r}; "
+                              "multi-head latent attention rotates all of qk_rope_head_dim (only 1)")
+    scale = (nope + rope_dim) ** -0.5
+    if rope.rope_type == "yarn" and rope.mscale_all_dim:  # transformers' yarn_apply_mscale, in the same order
+        mscale = yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+        scale = scale * mscale * mscale
+    q_lora = 0 if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else int_field(cfg, "q_lora_rank", source, 1536)
+    attention_bias = bool_field(cfg, "attention_bias", source, False)
+    mla = MLAConfig(q_lora_rank=q_lora, kv_lora_rank=int_field(cfg, "kv_lora_rank", source, 512),
+                    qk_nope_head_dim=nope, qk_rope_head_dim=rope_dim,
+                    v_head_dim=int_field(cfg, "v_head_dim", source, 128),
+                    rope_interleave=bool_field(cfg, "rope_interleave", source, True), softmax_scale=scale,
+                    attention_bias=attention_bias)
+
+    key = "n_routed_experts" if _present(cfg, "n_routed_experts") or not _present(cfg, "num_local_experts") \
+        else "num_local_experts"  # transformers' attribute_map: num_local_experts is n_routed_experts
+    num_experts = int_field(cfg, key, source, 256)
+    top_k = int_field(cfg, "num_experts_per_tok", source, 8, maximum=num_experts)
+    n_group = int_field(cfg, "n_group", source, 8, maximum=num_experts)
+    topk_group = int_field(cfg, "topk_group", source, 4, maximum=n_group)
+    per_group = num_experts // n_group
+    if num_experts % n_group or per_group < 2:
+        raise ConfigError(f"{source}: n_routed_experts ({num_experts}) must split into n_group ({n_group}) equal "
+                          "groups of at least 2 experts (a group scores the sum of its two best experts)")
+    if topk_group * per_group < top_k:
+        raise ConfigError(f"{source}: topk_group ({topk_group}) groups of {per_group} experts cannot hold "
+                          f"num_experts_per_tok ({top_k}) experts")
+    first_dense = int_field(cfg, "first_k_dense_replace", source, 3, minimum=0, maximum=num_layers)
+    width = int_field(cfg, "moe_intermediate_size", source, 2048)
+    shared = int_field(cfg, "n_shared_experts", source, 1, minimum=0)
+    return dict(
+        intermediate_size=int_field(cfg, "intermediate_size", source, 18432),
+        rope=rope, mla=mla, qkv_bias=False, o_bias=attention_bias,
+        experts=ExpertsConfig(
+            num_experts=num_experts, top_k=top_k, intermediate_size=width, routing="sigmoid_topk",
+            norm_topk_prob=bool_field(cfg, "norm_topk_prob", source, True), selection_bias=True,
+            shared_intermediate_size=width * shared, shared_expert_gate=False, n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=float_field(cfg, "routed_scaling_factor", source, 2.5, positive=True),
+            norm_eps=1e-20),
+        expert_layers=tuple(range(first_dense, num_layers)),
+    )
+
+
+def _deepseek_v3_to_hf(config: "TargetConfig", out: dict[str, Any]) -> dict[str, Any]:
+    """``TargetConfig.to_hf_dict`` of an MLA target: a ``DeepseekV3ForCausalLM`` config.json (Kimi K2's text
+    decoder too: transformers has no text-only Kimi class, its language model is a DeepseekV3 model)."""
+    m, e = config.mla, config.experts
+    out = {k: v for k, v in out.items() if k != "head_dim"}  # transformers sets it to qk_rope_head_dim
+    out.update(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", attention_bias=m.attention_bias,
+        q_lora_rank=m.q_lora_rank or None, kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, rope_interleave=m.rope_interleave,
+        n_routed_experts=e.num_experts, num_experts_per_tok=e.top_k, moe_intermediate_size=e.intermediate_size,
+        n_shared_experts=e.shared_intermediate_size // e.intermediate_size, n_group=e.n_group,
+        topk_group=e.topk_group, norm_topk_prob=e.norm_topk_prob, routed_scaling_factor=e.routed_scaling_factor,
+        first_k_dense_replace=min(config.expert_layers, default=config.num_hidden_layers),
+        num_nextn_predict_layers=0)
+    out.update(rope_to_hf(config.rope))
+    return out
+
+
 # Multimodal checkpoints whose language model is nested under ``text_config`` (the model_type it takes).
 NESTED_TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text",
-                       "gemma4_unified": "gemma4_unified_text", "muse_glimmer": MUSE_GLIMMER_TEXT}
+                       "gemma4_unified": "gemma4_unified_text", "muse_glimmer": MUSE_GLIMMER_TEXT,
+                       "kimi_k25": "kimi_k2"}
 
 
 def _text_config(cfg: Mapping[str, Any], source: str) -> tuple[Mapping[str, Any], str]:
@@ -1003,6 +1176,15 @@ def _text_config(cfg: Mapping[str, Any], source: str) -> tuple[Mapping[str, Any]
     for key in ("tie_word_embeddings", "bos_token_id", "eos_token_id"):  # sometimes given at the top only
         if key not in merged and key in cfg:
             merged[key] = cfg[key]
+    if model_type == "kimi_k25":
+        # Its text_config says kimi_k2 (released) or deepseek_v3 (transformers 5.x writes what it maps it to).
+        if merged["model_type"] not in MLA_FAMILIES:
+            raise ConfigError(f"{source} (text_config): model_type {merged['model_type']!r} is not a Kimi text "
+                              f"decoder (expected 'kimi_k2' or 'deepseek_v3')")
+        merged["model_type"] = "kimi_k2"
+        # transformers ties the head by the TOP-LEVEL flag, whose class default is True, whatever text_config
+        # says (5.x writes False there); released configs set it at the top level.
+        merged["tie_word_embeddings"] = bool_field(cfg, "tie_word_embeddings", source, True)
     return merged, f"{source} (text_config)"
 
 
@@ -1011,7 +1193,7 @@ FAMILIES = {
     "qwen3_moe": _qwen3_moe_family, "gpt_oss": _gpt_oss_family,
     "qwen3_next": _hybrid_family, "qwen3_5_text": _hybrid_family, "qwen3_5_moe_text": _hybrid_family,
     "minimax_m2": _minimax_m2_family, "gemma4_text": _gemma4_family, "gemma4_unified_text": _gemma4_family,
-    MUSE_GLIMMER_TEXT: _muse_glimmer_family,
+    MUSE_GLIMMER_TEXT: _muse_glimmer_family, "deepseek_v3": _deepseek_v3_family, "kimi_k2": _deepseek_v3_family,
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -1019,5 +1201,6 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
                  "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                  "minimax_m2": "MiniMaxM2ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
                  "gemma4_unified_text": "Gemma4UnifiedForCausalLM",
-                 MUSE_GLIMMER_TEXT: "MuseGlimmerForConditionalGeneration"}
+                 MUSE_GLIMMER_TEXT: "MuseGlimmerForConditionalGeneration", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "kimi_k2": "DeepseekV3ForCausalLM"}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

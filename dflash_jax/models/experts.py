@@ -1,5 +1,5 @@
-"""The mixture-of-experts FFN of Qwen3-MoE, gpt-oss, MiniMax-M2 and Gemma 4 (and Qwen3-Next/Qwen3.5's
-shared-expert variant).
+"""The mixture-of-experts FFN of Qwen3-MoE, gpt-oss, MiniMax-M2, Gemma 4 and DeepSeek-V3 / Kimi K2 (and
+Qwen3-Next/Qwen3.5's gated shared expert, DeepSeek-V3's ungated ``shared_experts``).
 
 Dropless and exact: every token goes to its ``top_k`` experts, no capacity factor, nothing dropped, so the
 target computes the same function as transformers' reference and DFlash stays lossless. Three ways to compute
@@ -130,8 +130,10 @@ def expert_path(num_tokens: int, num_experts: int, top_k: int) -> str:
 def route(logits: jax.Array, cfg: ExpertsConfig, selection_bias: jax.Array | None = None,
           expert_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Router logits ``[N, E]`` -> (weights ``[N, k]`` in float32, expert ids ``[N, k]``), decided in float32.
-    ``selection_bias [E]`` (``cfg.selection_bias``, MiniMax-M2's ``e_score_correction_bias``) is added to the
-    scores to choose the k experts only; their weights are the unbiased scores. ``expert_scale [E]`` (Gemma 4's
+    ``selection_bias [E]`` (``cfg.selection_bias``, MiniMax-M2's and DeepSeek-V3's ``e_score_correction_bias``)
+    is added to the scores to choose the k experts only (DeepSeek-V3: within the best groups,
+    ``limit_to_groups``); their weights are the unbiased scores, renormalised, times
+    ``cfg.routed_scaling_factor``. ``expert_scale [E]`` (Gemma 4's
     ``per_expert_scale``) multiplies each chosen expert's final weight.
 
     ``Experts`` computes the logits with float32 accumulation (bf16 inputs give exact products), so top-k and
@@ -151,16 +153,33 @@ def route(logits: jax.Array, cfg: ExpertsConfig, selection_bias: jax.Array | Non
         if selection_bias is None:
             weights, ids = jax.lax.top_k(probs, cfg.top_k)
         else:
-            _, ids = jax.lax.top_k(probs + selection_bias.astype(jnp.float32), cfg.top_k)
+            choice = probs + selection_bias.astype(jnp.float32)
+            if cfg.topk_group < cfg.n_group:
+                choice = limit_to_groups(choice, cfg.n_group, cfg.topk_group)
+            _, ids = jax.lax.top_k(choice, cfg.top_k)
             weights = jnp.take_along_axis(probs, ids, axis=-1)
         if cfg.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + cfg.norm_eps)
+        if cfg.routed_scaling_factor != 1.0:  # DeepSeek-V3: after the renormalisation (or without one)
+            weights = weights * cfg.routed_scaling_factor
     else:  # gpt-oss: the top k raw logits, softmax over those k
         top, ids = jax.lax.top_k(logits, cfg.top_k)
         weights = jax.nn.softmax(top, axis=-1)
     if expert_scale is not None:
         weights = weights * jnp.take(expert_scale.astype(jnp.float32), ids)
     return weights, ids
+
+
+def limit_to_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """DeepSeek-V3's group-limited routing: ``choice [N, E]`` (biased scores, float32) with every expert outside
+    each token's ``topk_group`` best groups set to -inf. The experts form ``n_group`` consecutive equal groups;
+    a group's score is the sum of its two best choice scores (transformers' ``DeepseekV3TopkRouter``)."""
+    n, e = choice.shape
+    grouped = choice.reshape(n, n_group, e // n_group)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [N, n_group]
+    _, best = jax.lax.top_k(group_scores, topk_group)
+    keep = jnp.any(jnp.arange(n_group)[None, :, None] == best[:, None, :], axis=-1)  # [N, n_group]
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(n, e)
 
 
 def activate(gate: jax.Array, up: jax.Array, cfg: ExpertsConfig) -> jax.Array:
@@ -402,7 +421,9 @@ class Experts(nn.Module):
         path = expert_path(b * t, cfg.num_experts, cfg.top_k)
         _note_reads(path, b * t, cfg, experts.params)
         out = COMPUTE[path](flat, weights, ids, experts.after(flat), cfg)
-        if cfg.shared_intermediate_size:
+        if cfg.shared_intermediate_size and not cfg.shared_expert_gate:  # DeepSeek-V3: added as it is
+            out = out + MLP(cfg.shared_intermediate_size, False, self.dtype, self.dtype, name="shared_experts")(flat)
+        elif cfg.shared_intermediate_size:
             shared = MLP(cfg.shared_intermediate_size, False, self.dtype, self.dtype, name="shared_expert")(flat)
             gate = nn.Dense(1, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
                             name="shared_expert_gate")(flat)

@@ -129,6 +129,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: 
     return x * cos + rotated * sin
 
 
+def apply_rope_interleaved(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
+    """RoPE on adjacent pairs ``(x[2i], x[2i+1])`` rotated by frequency ``i`` (DeepSeek's layout, transformers'
+    ``apply_rotary_pos_emb_interleave``), the output PERMUTED to the rotated evens then the rotated odds, as
+    transformers returns it: q.k is the same either way as long as queries and cached keys use this one routine.
+    ``x [B, T, heads, D]``; angles in float32, cos/sin (times ``scale``) cast to x's dtype."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, D/2]
+    cos, sin = jnp.cos(freqs)[:, :, None, :], jnp.sin(freqs)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+
+
 def attention(q: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.Array]],
               sinks: jax.Array | None = None) -> jax.Array:
     """Grouped-query softmax attention over one or more key/value segments with a joint softmax.
@@ -154,7 +168,7 @@ def attention(q: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.A
     all_scores = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
     all_masks = jnp.concatenate(masks, axis=-1) if len(masks) > 1 else masks[0]
     probs = jnp.where(all_masks, jax.nn.softmax(all_scores, axis=-1), 0.0)
-    out = jnp.zeros(qg.shape, jnp.float32)
+    out = jnp.zeros(qg.shape[:-1] + segments[0][1].shape[-1:], jnp.float32)  # values may be narrower (MLA)
     offset = 0
     for k, v, _ in segments:
         n = k.shape[2]
@@ -179,6 +193,7 @@ def cache_attention(
     segments: Sequence[Segment] | None = None,
     sinks: jax.Array | None = None,
     first_slot: jax.Array | None = None,
+    values_in_keys: int | None = None,
 ) -> jax.Array:
     """Attention over a preallocated cache whose cost follows the LIVE length, not the number of slots.
 
@@ -202,6 +217,10 @@ def cache_attention(
     where no fused kernel applies (no ``segments``, or ``auto``'s kernel refused the shapes), the walk covers
     every slot in a static number of chunks: more reads than the live length on a long, mostly empty cache,
     but no loop whose trip count depends on data, which on a GPU costs a host sync per trip.
+
+    ``values_in_keys`` (multi-head latent attention's cache, ``models/mla.py``): there is no separate value
+    cache (``v_cache`` is ignored); each slot's value is the first ``values_in_keys`` dims of its key, sliced
+    chunk by chunk so the cache is read once.
     """
     kernel, fallback = active_kernel(q.dtype)
     if segments is not None and kernel != "loop":
@@ -219,6 +238,7 @@ def cache_attention(
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     size = min(chunk, slots)
+    dv = values_in_keys if values_in_keys is not None else v_cache.shape[-1]
     qg = group_queries(q, hkv)
     neg = jnp.finfo(jnp.float32).min
 
@@ -239,13 +259,13 @@ def cache_attention(
         # chunk already covered are masked out, so no slot counts twice.
         start = jnp.minimum(c * size, slots - size)
         k = jax.lax.dynamic_slice_in_dim(k_cache, start, size, axis=2)
-        v = jax.lax.dynamic_slice_in_dim(v_cache, start, size, axis=2)
+        v = k[..., :dv] if values_in_keys is not None else jax.lax.dynamic_slice_in_dim(v_cache, start, size, axis=2)
         pos = start + jnp.arange(size, dtype=jnp.int32)
         fresh = (pos >= c * size) & (pos < live_slots)
         return update(carry, k, v, visible(pos) & fresh[None, None, :])
 
     carry = (jnp.full((b, hkv, g * t), neg, jnp.float32), jnp.zeros((b, hkv, g * t), jnp.float32),
-             jnp.zeros((b, hkv, g * t, d), jnp.float32))
+             jnp.zeros((b, hkv, g * t, dv), jnp.float32))
     if slots <= size:  # one chunk: no loop (its per-layer overhead shows on tiny models)
         carry = chunk_step(0, carry)
     elif isinstance(live_slots, int):  # static (training): a fixed trip count, so the loop is differentiable

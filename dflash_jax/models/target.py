@@ -1,11 +1,12 @@
 """The target decoder: LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss, the hybrid Qwen3-Next / Qwen3.5 /
-Qwen3.6, MiniMax-M2, Gemma 4 and Muse Glimmer as one pure Flax module.
+Qwen3.6, MiniMax-M2, Gemma 4, Muse Glimmer, DeepSeek-V3 and Kimi K2 as one pure Flax module.
 
 A family is a set of differences read from its config (``models/config.py``): attention flags (biases, q/k
 norms, sinks, an output gate, partial RoPE, zero-centred norms; Gemma 4's V norm, keys as values, softmax
 scale and full layers of their own shape; Muse Glimmer's weightless q/k norms, scaled queries, gate
 projection and layers without RoPE), each layer's token mixer (softmax attention, with an optional
-window, or a Gated DeltaNet: ``models/gated_deltanet.py``), each layer's FFN (a dense SwiGLU or GeGLU,
+window, a Gated DeltaNet: ``models/gated_deltanet.py``, or DeepSeek-V3's multi-head latent attention with its
+latent cache: ``models/mla.py``), each layer's FFN (a dense SwiGLU or GeGLU,
 ``models/experts.Experts``, or both side by side) and where the norms sit (before each sublayer, or around
 it as Gemma's and Muse Glimmer's sandwich, with Gemma's stored ``layer_scalar``).
 
@@ -30,6 +31,7 @@ from dflash_jax.models.cache import KVCache, LinearState, lengths_after_write, r
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.experts import Experts
 from dflash_jax.models.gated_deltanet import GatedDeltaNet
+from dflash_jax.models.mla import MLAttention
 from dflash_jax.models.layers import (
     float32_dot_general,
     MLP, RMSNorm, apply_rope, attention, cache_attention, rope_inv_freq, rope_scale, to_cache_layout,
@@ -154,9 +156,9 @@ class DecoderLayer(nn.Module):
             if cache_kv is None:
                 new_kv = None
         else:
-            mixed, new_kv = TargetAttention(cfg, self.dtype, cfg.window(self.index), cfg.has_rope(self.index),
-                                            name="self_attn")(
-                h, positions, mask, cache_kv, slots, live, spans, new_lengths, valid, block_mask)
+            attend = MLAttention(cfg, self.dtype, name="self_attn") if cfg.mla is not None else TargetAttention(
+                cfg, self.dtype, cfg.window(self.index), cfg.has_rope(self.index), name="self_attn")
+            mixed, new_kv = attend(h, positions, mask, cache_kv, slots, live, spans, new_lengths, valid, block_mask)
 
         def ffn(h, residual):
             if cfg.is_expert_layer(self.index) and not cfg.experts_beside_mlp:
@@ -338,7 +340,11 @@ def init_cache(config: TargetConfig, batch: int, slots: int, dtype=jnp.float32, 
         return batch, kv_heads * config.kv_copies(kv_heads), size, head_dim
 
     shapes = [layer_shape(i) for i in config.attention_layers]
-    cache = KVCache(tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes),
+    value_shapes = shapes
+    if config.mla is not None:  # the latent cache (models/mla.py): one head of [c | k_pe], values inside the keys
+        shapes = [(batch, 1, slots, config.mla.cache_width)] * len(shapes)
+        value_shapes = [(batch, 1, slots, 0)] * len(shapes)
+    cache = KVCache(tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in value_shapes),
                     jnp.zeros((batch,), jnp.int32))
     la = config.linear_attention
     linear = tuple(LinearState.create(batch, extension, la.conv_kernel, la.conv_dim, la.num_v_heads, la.head_k_dim,
