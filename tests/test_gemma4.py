@@ -161,7 +161,8 @@ def decoded(built):
     _, _, config, params = built("moe")
     draft_config = DraftConfig.from_dict(official_config(
         vocab_size=VOCAB, block_size=8, num_target_layers=config.num_hidden_layers,
-        dflash_config={"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1}))
+        dflash_config={"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1,
+                       "input_embedding_scale": config.hidden_size ** 0.5}))
     decoder = Decoder(config, params, draft_config, init_draft_params(draft_config, seed=1))
     batch = [p.tolist() for p in prompts(VOCAB, seed=2)]
     ar, chain = decoder.generate(batch, 24, baseline=True), decoder.generate(batch, 24)
@@ -260,3 +261,25 @@ def test_released_config_forms_are_read_alike():
     nested = {"model_type": "gemma4", "text_config": {k: v for k, v in _config().items() if k != "model_type"},
               "vision_config": {}, "tie_word_embeddings": True}
     assert TargetConfig.from_dict(nested) == released
+
+
+def test_a_draft_reading_unscaled_rows_is_warned(built):
+    """Gemma 4 scales its embedding rows by sqrt(H); a DFlash draft reads the raw table times its own
+    ``input_embedding_scale``. A draft config without it on a Gemma target is warned about (naming the field
+    and the value to set); a new draft shaped by ``for_target`` takes the target's scale and soft-cap, the
+    values transformers' own embedding module and head apply (its ``embed_scale``, ``final_logit_softcapping``)."""
+    from dflash_jax.errors import ServingWarning
+
+    _, hf_model, config, _ = built("moe")
+    unscaled = DraftConfig.from_dict(official_config(vocab_size=VOCAB, block_size=8,
+                                                     num_target_layers=config.num_hidden_layers))
+    with pytest.warns(ServingWarning, match=r"input_embedding_scale.* 8\b"):
+        unscaled.validate_against(config, source="draft/config.json")
+    new = DraftConfig.for_target(config, num_layers=1, block_size=8)
+    embed = hf_model.get_input_embeddings()
+    assert new.input_embedding_scale == float(embed.embed_scale)
+    assert new.final_logit_softcapping == hf_model.config.get_text_config().final_logit_softcapping
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ServingWarning)
+        new.validate_against(config)

@@ -11,6 +11,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from dflash_jax.errors import ServingWarning
 from dflash_jax.models.config import (
     MAX_LAYERS, ConfigError, RopeConfig, TargetConfig, attention_shape, bool_field, float_field, int_field,
@@ -53,6 +55,12 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
         return (num_target_layers // 2,)
     span = (num_target_layers - 4) / (num_draft_layers - 1)
     return tuple(int(round(1 + i * span)) for i in range(num_draft_layers))
+
+
+def target_embedding_scale(target: TargetConfig) -> float:
+    """What the target multiplies its embedding rows by (Gemma 4: sqrt(hidden_size), rounded to float32 as
+    transformers does; 1 for every other family)."""
+    return float(np.float32(target.hidden_size ** 0.5)) if target.scale_embeddings else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,6 +412,10 @@ class DraftConfig:
             target_layer_ids=tuple(target_layer_ids or default_target_layer_ids(target.num_hidden_layers, num_layers)),
             mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
             layer_types=("full_attention",) * num_layers, max_position_embeddings=target.max_position_embeddings,
+            # the block's embeddings and the head's logits as the target's own modules give them (Gemma 4: rows
+            # times sqrt(H), soft-capped logits; Muse Glimmer: the multiplier), as z-lab's released drafts set
+            input_embedding_scale=target_embedding_scale(target), output_multiplier=target.output_multiplier,
+            final_logit_softcapping=target.final_logit_softcapping,
         )
 
     def validate_against(self, target: TargetConfig, source: str = "draft config") -> None:
@@ -428,4 +440,12 @@ class DraftConfig:
                 f"{source}: num_target_layers {self.num_target_layers} != target num_hidden_layers "
                 f"{target.num_hidden_layers}"
             )
+        scale = target_embedding_scale(target)
+        if scale != 1.0 and self.input_embedding_scale == 1.0:
+            warnings.warn(
+                f"{source}: the target ({target.model_type}) scales its embedding rows by sqrt(hidden_size) = "
+                f"{scale:.6g}, but this draft reads them unscaled (input_embedding_scale 1.0, or absent). z-lab's "
+                "Gemma 4 drafts multiply the raw rows by dflash_config.input_embedding_scale (configs/gemma-4-* set "
+                f"it to {scale:.6g}); if this draft was trained on scaled rows, set that field in its config.json, "
+                "or its acceptance collapses", ServingWarning, stacklevel=2)
         self.warn_if_last_layer(source)
