@@ -27,7 +27,7 @@ import numpy as np
 
 from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET
 from dflash_jax.errors import UserError
-from infer.cli import Parser, run_cli, text_arg
+from infer.cli import Parser, add_tree_args, run_cli, text_arg
 from infer.run import load_decoder
 
 DEFAULT_PAIRS = 25
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "one untimed run of each); the speedup is the median of the N per-pair ratios, "
                              f"printed with their spread (default {DEFAULT_PAIRS}: about 2 s of decoding on a "
                              "2-core CPU)")
+    add_tree_args(parser)
     return parser
 
 
@@ -78,7 +79,8 @@ def pair_figures(pairs) -> dict:
             "dflash_s": d.decode_s, "baseline_s": b.decode_s}
 
 
-def format_figures(f: dict, tau: float, decoded: int, block: int) -> str:
+def format_figures(f: dict, tau: float, decoded: int, verify: str) -> str:
+    """``verify``: what a round verifies, in words ("8 tokens", "a tree of 16 drafts")."""
     n = len(f["ratios"])
     spread = (f"middle half {f['q1']:.2f}-{f['q3']:.2f}x, all {min(f['ratios']):.2f}-{max(f['ratios']):.2f}x"
               if n > 1 else "a single pair: no spread")
@@ -87,7 +89,7 @@ def format_figures(f: dict, tau: float, decoded: int, block: int) -> str:
         f"{spread})",
         f"          median pair: DFlash {f['dflash_s'] * 1e3:.1f} ms, baseline {f['baseline_s'] * 1e3:.1f} ms for "
         f"{decoded} tokens ({decoded / f['dflash_s']:.0f} vs {decoded / f['baseline_s']:.0f} tok/s)",
-        f"why     : a DFlash round (draft + verify of {block} tokens) costs {f['round_cost']:.2f} AR steps here: "
+        f"why     : a DFlash round (draft + verify of {verify}) costs {f['round_cost']:.2f} AR steps here: "
         f"tau {tau:.2f} / {f['round_cost']:.2f} = {tau / f['round_cost']:.2f}x;",
         f"          where a round costs about one AR step (a GPU at batch 1) the same tau gives ~{tau:.1f}x",
     ])
@@ -103,7 +105,8 @@ def demo_main(args: argparse.Namespace) -> int:
     print(f"target: stories260K (llama2.c, {DEMO_TARGET.name})\ndraft:  DFlash2 draft trained by dflash_jax "
           f"({DEMO_DRAFT.name})")
     decoder, tokenizer, stops = load_decoder(argparse.Namespace(
-        target=str(DEMO_TARGET), ckpt=str(DEMO_DRAFT), tokenizer=None, dtype="float32", block_size=args.block_size))
+        target=str(DEMO_TARGET), ckpt=str(DEMO_DRAFT), tokenizer=None, dtype="float32", block_size=args.block_size,
+        tree=args.tree, tree_budgets=args.tree_budgets))
     prompt = [tokenizer.bos_token_id] + list(tokenizer(args.prompt, add_special_tokens=False)["input_ids"])
     print(f"compiling, then timing {args.repeats} pair(s) of decodes (DFlash, baseline, alternating) ...",
           flush=True)
@@ -122,7 +125,9 @@ def demo_main(args: argparse.Namespace) -> int:
     counts = np.bincount(dflash.accept_lengths[0], minlength=decoder.block_size + 1)[1:]
     print(f"tau     : {dflash.tau:.2f} tokens per round ({decoded} tokens in {dflash.rounds[0]} rounds; rounds by "
           "tokens committed: " + ", ".join(f"{k}: {c}" for k, c in enumerate(counts, start=1) if c) + ")")
-    print(format_figures(pair_figures(pairs), dflash.tau, decoded, decoder.block_size))
+    verify = f"a tree of {decoder.tree_budget} drafts" if decoder.tree_budget else (
+        "the chain or a tree (--tree auto)" if decoder.tree_auto else f"{decoder.block_size} tokens")
+    print(format_figures(pair_figures(pairs), dflash.tau, decoded, verify))
     return 0
 
 

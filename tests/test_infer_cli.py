@@ -119,6 +119,13 @@ def test_demo_help_explains_every_flag(capsys):
         assert flag in out
 
 
+def test_demo_verifies_a_tree(capsys):
+    """``demo --tree 16``: the shipped pair through tree verification, still identical to the baseline."""
+    assert main(["demo", "--tree", "16", "--max-new-tokens", "32", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "identical to the baseline: True" in out and "verify of a tree of 16 drafts" in out
+
+
 def test_demo_figures_median_pair_and_round_cost():
     """The speedup is an actual pair's ratio (the lower median), and that pair's round cost explains it
     exactly: speedup = tau / round cost when both decode the same tokens."""
@@ -133,7 +140,7 @@ def test_demo_figures_median_pair_and_round_cost():
     assert f["speedup"] == pytest.approx(0.041 / 0.031)  # the lower of the middle two
     assert decoded / rounds / f["round_cost"] == pytest.approx(f["speedup"])
     assert f["q1"] < f["speedup"] < f["q3"]
-    text = format_figures(f, decoded / rounds, decoded, 8)
+    text = format_figures(f, decoded / rounds, decoded, "8 tokens")
     assert "1.32x" in text and "median of 4 interleaved pairs" in text and "all 1.10-1.50x" in text
     assert f"= {f['speedup']:.2f}x" in text and "~4.0x" in text and len(text.splitlines()) == 4
 
