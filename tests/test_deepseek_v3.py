@@ -30,6 +30,7 @@ import json
 import logging
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -132,19 +133,17 @@ def test_the_absorbed_latent_cache_forward_equals_the_expanded_one(built, varian
     _, _, config, params = built(variant)
     rows = prompts(VOCAB)
     expanded, _ = batched_forward(config, params, rows)
-    t = max(len(r) for r in rows)
-    tokens = np.zeros((len(rows), t), np.int32)
-    valid = np.zeros((len(rows), t), bool)
+    cut = 9  # two chunks of the same width (one compile), the second attending to the cached first
+    tokens = np.zeros((len(rows), 2 * cut), np.int32)
+    valid = np.zeros((len(rows), 2 * cut), bool)
     for b, r in enumerate(rows):
         tokens[b, :len(r)], valid[b, :len(r)] = r, True
-    positions = np.broadcast_to(np.arange(t), tokens.shape)
+    positions = np.broadcast_to(np.arange(2 * cut), tokens.shape)
     cache = init_cache(config, len(rows), 32)
     assert cache.keys[0].shape == (3, 1, 32, 40) and cache.values[0].shape == (3, 1, 32, 0)
-    model = TargetModel(config)
-    cut = 4
-    first = model.apply({"params": params}, tokens[:, :cut], positions[:, :cut], cache=cache, valid=valid[:, :cut])
-    second = model.apply({"params": params}, tokens[:, cut:], positions[:, cut:], cache=first.cache,
-                         valid=valid[:, cut:])
+    apply = jax.jit(TargetModel(config).apply)
+    first = apply({"params": params}, tokens[:, :cut], positions[:, :cut], cache=cache, valid=valid[:, :cut])
+    second = apply({"params": params}, tokens[:, cut:], positions[:, cut:], cache=first.cache, valid=valid[:, cut:])
     cached = np.concatenate([np.asarray(first.logits), np.asarray(second.logits)], axis=1)
     for b, r in enumerate(rows):
         assert scaled_error(cached[b, :len(r)], expanded[b, :len(r)]) <= 1e-5
