@@ -1,10 +1,11 @@
 """Target model configuration, parsed from a Hugging Face ``config.json``.
 
 One decoder implementation covers LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss, the hybrid
-Qwen3-Next / Qwen3.5 / Qwen3.6, MiniMax-M2, and Gemma 4's and Muse Glimmer's text decoders. A family is a small
-set of differences from the dense decoder: attention flags, a per-layer plan (which layers mix tokens by softmax
-attention or by Gated DeltaNet linear attention, which route through experts, which attend through a sliding
-window), an :class:`ExpertsConfig` and a :class:`GatedDeltaNetConfig`. Each family's reader below
+Qwen3-Next / Qwen3.5 / Qwen3.6, MiniMax-M2, Gemma 4's and Muse Glimmer's text decoders, and DeepSeek-V3 / Kimi
+K2.5-K2.7 (multi-head latent attention; DeepSeek-V4 is not supported). A family is a small set of differences
+from the dense decoder: attention flags, a per-layer plan (which layers mix tokens by softmax attention, by
+Gated DeltaNet linear attention or by multi-head latent attention, which route through experts, which attend
+through a sliding window), an :class:`ExpertsConfig`, a :class:`GatedDeltaNetConfig` and an :class:`MLAConfig`. Each family's reader below
 (``FAMILIES``) turns its Hugging Face fields into those differences. Anything this implementation does not compute exactly is
 refused with an error that names the file and the field, because a silently different model would break
 losslessness downstream.
