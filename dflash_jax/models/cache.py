@@ -14,6 +14,12 @@ still only lowering ``lengths``: a rejected position overwrote a slot whose posi
 that can still be asked for. gpt-oss-120b at 131,072 positions keeps 256 slots in each of its 18 sliding
 layers instead of 131,072.
 
+Multi-head latent attention layers (DeepSeek-V3, Kimi K2: ``models/mla.py``) keep a latent cache in the same
+two tuples: ``keys`` ``[batch, 1, slots, kv_lora_rank + qk_rope_head_dim]`` (each token's normed latent and its
+roped shared key, one "head" for all query heads) and a zero-width ``values`` ``[batch, 1, slots, 0]`` (the values
+are the first ``kv_lora_rank`` dims of the keys). A slot is a slot whatever it holds, so rollback (lengths) and
+the tree commit (``commit_path`` moves slots) are the attention layers' own.
+
 Hybrid targets (Qwen3-Next, Qwen3.5) keep, for each Gated DeltaNet layer, a ``LinearState`` instead of
 keys and values, with the same contract: the state of a row IS a function of its length. A linear layer
 cannot overwrite a slot, so it keeps the state before its last extension (``start``) plus what that
