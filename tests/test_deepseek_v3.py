@@ -231,11 +231,11 @@ def test_save_target_round_trips_through_transformers(built, tmp_path):
     assert float((ref - again).abs().max()) <= 1e-5
 
 
-def _rewrite(src, dst, rename=lambda k: k, extra=None, config=None):
-    """A copy of checkpoint ``src`` with its keys renamed, tensors added and its config.json replaced."""
+def _rewrite(src, dst, rename=lambda k: k, extra=None, config=None, drop=()):
+    """A copy of checkpoint ``src`` with its keys renamed, tensors added or dropped and its config.json replaced."""
     shutil.copytree(src, dst)
     with safe_open(str(src / "model.safetensors"), "np") as f:
-        tensors = {rename(k): f.get_tensor(k) for k in f.keys()}
+        tensors = {rename(k): f.get_tensor(k) for k in f.keys() if k not in drop}
     save_file({**tensors, **(extra or {})}, str(dst / "model.safetensors"))
     if config is not None:
         (dst / "config.json").write_text(json.dumps(config))
@@ -276,6 +276,13 @@ def test_the_mtp_layer_is_skipped_with_a_log_line(built, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="dflash_jax.checkpoints.hf_target"):
         assert load_target(dst)[0] == config
     assert "skipping 2 tensor(s) of the multi-token prediction layer" in caplog.text
+
+
+def test_a_missing_latent_norm_is_named(built, tmp_path):
+    out = built("direct")[0]
+    key = "model.layers.0.self_attn.kv_a_layernorm.weight"
+    with pytest.raises(CheckpointError, match=rf"missing 1 tensor\(s\): '{key}'"):
+        load_target(_rewrite(out, tmp_path / "broken", drop=(key,)))
 
 
 def _config(**overrides):
