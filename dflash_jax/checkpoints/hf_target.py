@@ -97,6 +97,10 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
     config = with_mxfp4(TargetConfig.from_json(path / "config.json"), mxfp4, str(path))
     dtype = resolve_dtype(dtype)
     source = SafetensorsDir(path)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        # FP8 / INT4 weights decoded straight into the load dtype (the product is formed in float32 either way):
+        # a large expert layer stacked in bfloat16 needs half the host memory of float32
+        source.dequantize_dtype = np.dtype(dtype)
     prefix = _weight_prefix(source)
     layers = "blocks" if prefix == KIMI_LANGUAGE_MODEL_PREFIX and any(
         k.startswith(prefix + "blocks.") for k in source.keys()) else "layers"
