@@ -267,7 +267,7 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
         if draft_config is None:
             proposer, (consts, pstate) = NoProposer(), NoProposer().init()
         else:
-            proposer = DFlashProposer(draft_config, block, dtype)
+            proposer = DFlashProposer(draft_config, block, dtype).on_mesh(the_mesh)
             dparams = abstract_draft_params(draft_config, dtype)
             dparams = abstract(dparams, sharding.tree_shardings(dparams, the_mesh))
             consts = {"params": dparams, "shared": shared_head(tparams, target_config.tie_word_embeddings)}

@@ -28,7 +28,8 @@ import numpy as np  # noqa: E402
 
 from dflash_jax.engine.decoder import Decoder  # noqa: E402
 from dflash_jax.engine.generate import DecodeSettings, generate, jitted_functions  # noqa: E402
-from dflash_jax.engine.proposers import NoProposer, OracleProposer  # noqa: E402
+from dflash_jax.engine.proposers import DFlashProposer, OracleProposer  # noqa: E402
+from dflash_jax.models.draft import shared_head  # noqa: E402
 from dflash_jax.engine.sampling import SamplingConfig  # noqa: E402
 from dflash_jax.models.attention_kernels import Segment, attention_kernel, fused_attention  # noqa: E402
 from dflash_jax.sharding import make_mesh  # noqa: E402
@@ -84,15 +85,22 @@ for name, spec in (("one", None), ("tensor2_data4", "data=4,tensor=2"), ("tensor
             r = Decoder(tc, tp, dc, dp, 8, mesh=mesh, attention=kernel).generate(prompts, 4)
         jax.config.update("jax_disable_most_optimizations", True)
         runs[f"{name}/short/{kernel}"] = {"tokens": r.tokens, "accept": r.accept_lengths}
-# 2 KV heads (of 4 query heads) on tensor=4: each head kept twice, so the target's cache splits over tensor (one
-# head per device) instead of sitting whole on every device. The prefill's output layout, compiled only.
+# 2 KV heads (of 4 query heads) on tensor=4: each head kept twice, so the target's cache and the draft's
+# context cache split over tensor (one head per device) instead of sitting whole on every device (the DFlash
+# runs on this mesh above decode with those copies). The prefill's output layout, compiled only.
 mesh = make_mesh("data=2,tensor=4")
-pre, _ = jitted_functions(tc, NoProposer(), DecodeSettings(8, mesh=mesh), 32, jnp.float32)
+proposer = DFlashProposer(dc, 8).on_mesh(mesh)
+consts, pstate = proposer.init(dp, shared_head(tp, tc.tie_word_embeddings), 2, 32)
+pre, _ = jitted_functions(tc, proposer, DecodeSettings(8, mesh=mesh), 32, jnp.float32)
 tokens = jnp.zeros((2, 16), jnp.int32)
 with section("tensor4_data2/prefill layout (compile only)"):
-    layout = pre.lower(tp, *NoProposer().init(), tokens, jnp.array([5, 16]), jax.random.PRNGKey(0)).compile()
+    layout = pre.lower(tp, consts, pstate, tokens, jnp.array([5, 16]), jax.random.PRNGKey(0)).compile()
 keys = layout.output_shardings.cache.keys[0]
-cache_layout = {"spec": str(keys.spec), "shard": list(keys.shard_shape((2, 4, 32, 16)))}
+draft_keys = layout.output_shardings.proposer["cache"].keys[0]
+draft_shape = pstate["cache"].keys[0].shape
+cache_layout = {"spec": str(keys.spec), "shard": list(keys.shard_shape((2, 4, 32, 16))),
+                "draft_spec": str(draft_keys.spec), "draft_shape": list(draft_shape),
+                "draft_shard": list(draft_keys.shard_shape(draft_shape))}
 # The Pallas kernel under a mesh runs per shard: its compiled program moves no cache between devices (without
 # the mesh, XLA gathers the operands of the pallas_call onto every device).
 mesh = make_mesh("data=4,tensor=2")

@@ -151,3 +151,18 @@ def test_public_one_round_draft_logits(tiny):
         assert np.abs(logits[row] - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
     with pytest.raises(ValueError, match="block size 99"):
         draft_logits(config, params, shared, feats, anchors, block_size=99)
+
+
+def test_kv_head_copies_are_exact(tiny):
+    """``kv_replicas`` (a tensor axis wider than the KV heads, ``DFlashProposer.on_mesh``) keeps each KV head
+    twice in the context cache: the drafts equal the NumPy reference, and each cached head equals its copy."""
+    import dataclasses
+
+    cfg, weights, config, params, model, shared, embed, head = tiny
+    doubled = dataclasses.replace(config, kv_replicas=2)
+    assert doubled.kv_copies == 2 and dataclasses.replace(config, kv_replicas=4).kv_copies == 1  # 2 q per kv
+    worst, _, cache = run_rounds((cfg, weights, doubled, params, DraftModel(doubled), shared, embed, head),
+                                 [11, 6], [[7, 2], [4, 4]])
+    keys = np.asarray(cache.keys[0])
+    assert keys.shape[1] == 2 * config.num_key_value_heads
+    np.testing.assert_array_equal(keys[:, 0::2], keys[:, 1::2])

@@ -42,3 +42,6 @@ def test_sharded_decoding_equals_one_device():
     # Fewer KV heads (2) than tensor devices (4): each head kept twice, so the cache splits over tensor (one
     # head per device of the 4 copies) instead of sitting whole on every device.
     assert "tensor" in out["tensor4_cache"]["spec"] and out["tensor4_cache"]["shard"][1] == 1
+    # the draft's context cache too (2 KV heads of 4 query heads, kept twice: 4 heads, one per device)
+    layout = out["tensor4_cache"]
+    assert "tensor" in layout["draft_spec"] and layout["draft_shape"][1] == 4 and layout["draft_shard"][1] == 1

@@ -111,7 +111,7 @@ class Decoder:
         if baseline or not self.has_draft:
             return generate(target_config, target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)
-        proposer = DFlashProposer(self.draft_config, self.block_size, self.dtype, self.draft_window)
+        proposer = DFlashProposer(self.draft_config, self.block_size, self.dtype, self.draft_window).on_mesh(self.mesh)
         slots = cache_slots(max(len(p) for p in prompts), max_new_tokens, verify_span(settings, self.block_size),
                             self.target_config.max_position_embeddings)
         inputs = proposer.init(

@@ -65,6 +65,17 @@ class DFlashProposer:
     def model(self) -> DraftModel:
         return DraftModel(self.config, self.dtype, self.draft_window)
 
+    def on_mesh(self, mesh) -> "DFlashProposer":
+        """This proposer for ``mesh`` (None: itself): where the tensor axis outnumbers the draft's KV heads, its
+        context cache keeps each head ``sharding.kv_replicas`` times, so that it splits over that axis as the
+        target's does (``generate.jitted_functions``) instead of sitting whole on every device."""
+        if mesh is None:
+            return self
+        from dflash_jax import sharding
+
+        replicas = sharding.kv_replicas(self.config.num_key_value_heads, self.config.num_attention_heads, mesh)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, kv_replicas=replicas))
+
     def init(self, params: dict, shared: SharedHead, batch: int, slots: int) -> tuple[dict, dict]:
         consts = {"params": params, "shared": shared}
         return consts, {"cache": init_draft_cache(self.config, batch, slots, self.dtype, self.draft_window)}

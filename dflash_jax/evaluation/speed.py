@@ -587,7 +587,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
     reference, errors = plant_errors(prompts, reference_tokens, s.tau, s.block_size, width)
     oracle = OracleProposer(s.block_size, tc.vocab_size)
     ostate = oracle.init(jnp.asarray(reference), jnp.asarray(errors))
-    prop = DFlashProposer(dc, s.block_size, s.dtype, s.draft_window)
+    prop = DFlashProposer(dc, s.block_size, s.dtype, s.draft_window).on_mesh(mesh)
     pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), s.batch, width)
     modes = {
         "autoregressive": run_ar,

@@ -111,7 +111,11 @@ class DraftAttention(nn.Module):
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim))
         v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        return apply_rope(k, positions, rope_inv_freq(cfg.rope, cfg.head_dim)), v
+        k = apply_rope(k, positions, rope_inv_freq(cfg.rope, cfg.head_dim))
+        copies = cfg.kv_copies
+        if copies > 1:  # each head's copies side by side: query head j still reads its own KV head
+            k, v = jnp.repeat(k, copies, axis=2), jnp.repeat(v, copies, axis=2)
+        return k, v
 
     def queries(self, h: jax.Array, positions: jax.Array) -> jax.Array:
         """Roped, normed queries ``[B, T, heads, head_dim]`` of the block tokens (inference and training)."""
@@ -367,7 +371,7 @@ def context_cache_sizes(config: DraftConfig, slots: int, draft_window: int | Non
 
 def init_draft_cache(config: DraftConfig, batch: int, slots: int, dtype=jnp.float32,
                      draft_window: int | None = None) -> KVCache:
-    shapes = [(batch, config.num_key_value_heads, n, config.head_dim)
+    shapes = [(batch, config.num_key_value_heads * config.kv_copies, n, config.head_dim)
               for n in context_cache_sizes(config, slots, draft_window)]
     return KVCache(tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes),
                    jnp.zeros((batch,), jnp.int32))

@@ -100,6 +100,16 @@ class DraftConfig:
     # neither the target's layer count nor its vocabulary (``num_target_layers`` and ``vocab_size`` are 0 then:
     # unknown, taken from the target where an export to the DFlash layout needs them).
     layout: str = "dflash"
+    # Not in any config file: set for a mesh whose tensor axis outnumbers the draft's KV heads
+    # (``sharding.kv_replicas``, ``DFlashProposer.on_mesh``), so that the context cache splits over it.
+    kv_replicas: int = 1
+
+    @property
+    def kv_copies(self) -> int:
+        """How many times the context cache keeps each KV head: ``kv_replicas`` where the copies still split
+        each head's group of query heads evenly, else once (exact either way, as ``TargetConfig.kv_copies``)."""
+        group = self.num_attention_heads // self.num_key_value_heads
+        return self.kv_replicas if group % self.kv_replicas == 0 else 1
 
     @property
     def dflash2(self) -> bool:
