@@ -6,6 +6,7 @@ Shapes are checked abstractly (``jax.eval_shape``): no real weights are allocate
 import re
 from functools import lru_cache
 
+import numpy as np
 import pytest
 
 from dflash_jax.checkpoints.hf_target import abstract_target_params
@@ -321,6 +322,64 @@ def test_minimax_config_without_the_rotary_factor_is_refused_naming_the_fix():
         from dflash_jax.models.config import TargetConfig
 
         TargetConfig.from_dict(raw, "minimax")
+
+
+KIMI = {  # name: (draft's YaRN amplitude: set to 0.1 ln 64 + 1 where the header says it is assumed, else 1)
+    "kimi-k2.5-dflash-b8": 0.1 * np.log(64.0) + 1,
+    "kimi-k2.6-dflash-b8": 0.1 * np.log(64.0) + 1,
+    "kimi-k2.7-code-dflash-b8": 1.0,
+}
+
+
+@pytest.mark.parametrize("name", KIMI)
+def test_kimi_pairings(name):
+    """Kimi K2.5-K2.7 (kimi_k25 around a kimi_k2 decoder): 61 MLA layers (q_lora 1536, kv_lora 512, 128 + 64 query
+    dims, values of 128, a 576-wide latent cache), layer 0 dense, then 384 experts top-8 of 2048 in one group plus
+    one shared expert, routed scaling 2.827, YaRN x64 whose mscale_all_dim enters the softmax scale; untied head;
+    the draft: 6 qwen3 layers of 64/8 heads and width 18432, block 8, features [1, 12, 24, 35, 47, 58]. Expected
+    values are the config copies the headers cite (moonshotai/Kimi-K2.5's loaded config, the drafts' metadata)."""
+    p, draft, target = shapes(name)
+    t, d = p.target, p.draft
+    assert (t.model_type, t.num_hidden_layers, t.hidden_size, t.num_attention_heads, t.vocab_size,
+            t.intermediate_size, t.rms_norm_eps, t.max_position_embeddings) == (
+        "kimi_k2", 61, 7168, 64, 163840, 18432, 1e-5, 262144)
+    assert not t.tie_word_embeddings and t.eos_token_ids == (163585,)
+    m = t.mla
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.cache_width,
+            m.rope_interleave) == (1536, 512, 128, 64, 128, 576, True)
+    assert m.softmax_scale == pytest.approx(192 ** -0.5 * (0.1 * np.log(64.0) + 1) ** 2, rel=1e-12)
+    r = t.rope
+    assert (r.rope_type, r.theta, r.factor, r.original_max_position_embeddings, r.beta_fast, r.beta_slow,
+            r.attention_factor) == ("yarn", 50000.0, 64.0, 4096, 32.0, 1.0, 1.0)
+    e = t.experts
+    assert (e.num_experts, e.top_k, e.intermediate_size, e.shared_intermediate_size, e.n_group, e.topk_group,
+            e.routed_scaling_factor, e.routing, e.selection_bias, e.norm_topk_prob) == (
+        384, 8, 2048, 2048, 1, 1, 2.827, "sigmoid_topk", True, True)
+    assert t.expert_layers == tuple(range(1, 61))
+    attn = ("layers_60", "self_attn")
+    assert target[attn + ("q_a_proj", "kernel")] == (7168, 1536)
+    assert target[attn + ("q_b_proj", "kernel")] == (1536, 64 * 192)
+    assert target[attn + ("kv_a_proj_with_mqa", "kernel")] == (7168, 576)
+    assert target[attn + ("kv_b_proj", "kernel")] == (512, 64 * 256)
+    assert target[attn + ("o_proj", "kernel")] == (64 * 128, 7168)
+    assert target[("layers_0", "mlp", "gate_proj", "kernel")] == (7168, 18432)
+    assert target[("layers_1", "mlp", "experts", "gate_proj")] == (384, 7168, 2048)
+    assert target[("layers_1", "mlp", "e_score_correction_bias")] == (384,)
+    assert target[("lm_head", "kernel")] == (7168, 163840)
+    qc = p.raw["target"]["quantization_config"]  # kept verbatim; the loader reads the checkpoint's own
+    assert (qc["quant_method"], qc["format"], qc["config_groups"]["group_0"]["weights"]["group_size"]) == (
+        "compressed-tensors", "pack-quantized", 32)
+    assert (d.model_type, d.num_hidden_layers, d.hidden_size, d.intermediate_size, d.num_attention_heads,
+            d.num_key_value_heads, d.head_dim, d.block_size, d.mask_token_id, d.num_target_layers) == (
+        "qwen3", 6, 7168, 18432, 64, 8, 128, 8, 163838, 61)
+    assert d.target_layer_ids == (1, 12, 24, 35, 47, 58) == default_target_layer_ids(61, 6)
+    assert (d.rope.rope_type, d.rope.theta, d.rope.factor) == ("yarn", 50000.0, 64.0)
+    assert d.rope.attention_factor == pytest.approx(KIMI[name], rel=1e-12)
+    assert draft[("fc", "kernel")] == (6 * 7168, 7168)
+    # 6.48 GiB of bf16 weights (the released K2.5 / K2.6 drafts): what fixes the width at 18432
+    assert 6.47 < 2 * sum(int(np.prod(s)) for s in draft.values()) / 2 ** 30 < 6.49
+    text = (CONFIG_DIR / f"{name}.yaml").read_text()
+    assert "ASSUMED" in text and "Sources" in text and "YaRN" in text and "AMPLITUDE" in text
 
 
 def test_tiny_pairing_matches_the_test_draft():
