@@ -44,6 +44,12 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"self_attn/(q_a_proj|kv_a_proj_with_mqa)/kernel$", ("embed", None)),
     (r"self_attn/(q_a_proj|kv_a_proj_with_mqa)/bias$", (None,)),
     (r"self_attn/(q_b_proj|kv_b_proj)/kernel$", (None, "heads")),
+    # GLM-5's DSA indexer (models/dsa_indexer.py): its query heads over tensor like q_b_proj's (the head-weighted
+    # score sum then reduces across the axis); its single key and the per-head weights [H, ...] like the latent's
+    # down-projection; k_norm's weight falls to the norm rule, its bias is replicated with it.
+    (r"self_attn/indexer/wq_b/kernel$", (None, "heads")),
+    (r"self_attn/indexer/(wk|weights_proj)/kernel$", ("embed", None)),
+    (r"self_attn/indexer/k_norm/bias$", ("norm",)),
     (r"(gate|up)_proj/kernel$", ("embed", "mlp")),
     (r"(gate|up)_proj/bias$", ("mlp",)),
     (r"down_proj/kernel$", ("mlp", "embed")),

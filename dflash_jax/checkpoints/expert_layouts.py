@@ -49,8 +49,8 @@ MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # level, its experts fused Qwen style (Gemma 4).
 TOP_LEVEL_MOE = ("gemma4_text",)
 # Families whose selection-only router bias sits inside the router (``mlp.gate.e_score_correction_bias``, the
-# params' ``mlp/e_score_correction_bias``): DeepSeek-V3 and Kimi K2.
-ROUTER_HELD_BIAS = ("deepseek_v3", "kimi_k2")
+# params' ``mlp/e_score_correction_bias``): DeepSeek-V3, Kimi K2 and GLM-5.
+ROUTER_HELD_BIAS = ("deepseek_v3", "kimi_k2", "glm_moe_dsa")
 #: ``load_target(..., mxfp4=...)``: what to do with MXFP4 expert weights.
 MXFP4_MODES = ("dequantize", "packed")
 

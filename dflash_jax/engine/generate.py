@@ -149,7 +149,7 @@ def _sharded_caches(tree: Any, mesh: Any) -> Any:
         linear = tuple(state.replace(**{name: put(getattr(state, name), axes)
                                         for name, axes in LinearState.AXES.items()}) for state in x.linear)
         return x.replace(keys=tuple(put(k, kv) for k in x.keys), values=tuple(put(v, kv) for v in x.values),
-                         linear=linear)
+                         linear=linear, indexer=tuple(put(k, kv) for k in x.indexer))
 
     return jax.tree.map(constrain, tree, is_leaf=lambda x: isinstance(x, KVCache))
 

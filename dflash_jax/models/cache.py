@@ -80,6 +80,9 @@ class KVCache:
     values: tuple[jax.Array, ...]
     lengths: jax.Array  # [batch] int32
     linear: tuple[LinearState, ...] = ()  # per Gated DeltaNet layer, in layer order
+    # GLM-5's DSA indexer keys, per full DSA layer in layer order, [batch, 1, slots, index_head_dim]: slot by slot
+    # like the latent cache, so rollback and commit treat them as they treat keys (``models/dsa_indexer``)
+    indexer: tuple[jax.Array, ...] = ()
 
     @classmethod
     def create(cls, num_layers: int, batch: int, slots: int, kv_heads: int, head_dim: int, dtype=jnp.float32):
@@ -127,7 +130,7 @@ class KVCache:
             return layer.at[rows, :, dest].set(layer[rows, :, source])  # read all, then write: order-safe
 
         return self.replace(keys=tuple(map(move, self.keys)), values=tuple(map(move, self.values)),
-                            lengths=lengths.astype(jnp.int32), linear=linear)
+                            lengths=lengths.astype(jnp.int32), linear=linear, indexer=tuple(map(move, self.indexer)))
 
 
 def lengths_after_write(lengths: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:

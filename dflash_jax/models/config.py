@@ -1,8 +1,9 @@
 """Target model configuration, parsed from a Hugging Face ``config.json``.
 
 One decoder implementation covers LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss, the hybrid
-Qwen3-Next / Qwen3.5 / Qwen3.6, MiniMax-M2, Gemma 4's and Muse Glimmer's text decoders, and DeepSeek-V3 / Kimi
-K2.5-K2.7 (multi-head latent attention; DeepSeek-V4 is not supported). A family is a small set of differences
+Qwen3-Next / Qwen3.5 / Qwen3.6, MiniMax-M2, Gemma 4's and Muse Glimmer's text decoders, DeepSeek-V3 / Kimi
+K2.5-K2.7 (multi-head latent attention) and GLM-5 / GLM-5.1 (latent attention with DeepSeek's sparse-attention
+indexer; DeepSeek-V4 is not supported). A family is a small set of differences
 from the dense decoder: attention flags, a per-layer plan (which layers mix tokens by softmax attention, by
 Gated DeltaNet linear attention or by multi-head latent attention, which route through experts, which attend
 through a sliding window), an :class:`ExpertsConfig`, a :class:`GatedDeltaNetConfig` and an :class:`MLAConfig`. Each family's reader below
@@ -442,6 +443,9 @@ class TargetConfig:
     # keeps a latent cache; ``num_key_value_heads`` then equals the query heads and ``head_dim`` is the query-key
     # head size (``MLAConfig.qk_head_dim``), as the expanded form computes.
     mla: MLAConfig | None = None
+    # GLM-5 / GLM-5.1: MLA layers whose queries attend only to the keys the DSA indexer selects
+    # (``models/dsa_indexer.DSAConfig``: sizes and each layer's full/shared mode), with an indexer-key cache.
+    dsa: Any = None
     # Not a checkpoint setting: each KV head is kept this many times in the cache, so that a model with fewer
     # KV heads than the mesh's tensor axis still splits its cache over it (``sharding.kv_replicas``; the
     # engine sets it). The projections are unchanged; the copies are made after them.
@@ -547,6 +551,8 @@ class TargetConfig:
             out.update(_gemma4_to_hf(self))
         if self.model_type == MUSE_GLIMMER_TEXT:
             return _muse_glimmer_to_hf(self, out)
+        if self.model_type == "glm_moe_dsa":
+            return _glm_moe_dsa_to_hf(self, _deepseek_v3_to_hf(self, out))
         if self.model_type in MLA_FAMILIES:
             return _deepseek_v3_to_hf(self, out)
         if self.model_type == "llama":
@@ -1047,7 +1053,7 @@ def _muse_glimmer_to_hf(config: "TargetConfig", text: dict[str, Any]) -> dict[st
 
 # Multi-head latent attention families: DeepSeek-V3 and Kimi K2 / K2.5-K2.7's text decoder (``kimi_k2``, which
 # transformers reads as a DeepseekV3Config).
-MLA_FAMILIES = ("deepseek_v3", "kimi_k2")
+MLA_FAMILIES = ("deepseek_v3", "kimi_k2", "glm_moe_dsa")
 # Fields of DeepSeek's own config.json that transformers does not read (it hard-codes what they describe):
 # a value other than the one computed here is refused, not ignored.
 DEEPSEEK_V3_FIXED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
@@ -1064,6 +1070,8 @@ def _mla_attention_fields(cfg: Mapping[str, Any], source: str) -> dict[str, Any]
     ``head_dim`` from ``qk_rope_head_dim`` (the RoPE size) and uses ``num_key_value_heads`` only to repeat the
     expanded keys, one per query head already (its sdpa path ignores it; 5.x writes the class default, 128, for
     any head count): neither is read. Here: one key head per query head, of the query-key size."""
+    if cfg.get("model_type") == "glm_moe_dsa":  # its own class defaults, before anything reads them
+        cfg = {**GLM_MOE_DSA_DEFAULTS, **cfg}
     nope, rope = _mla_head_dims(cfg, source)
     if rope % 2 or nope % 2:
         raise ConfigError(f"{source}: fields 'qk_nope_head_dim' ({nope}) and 'qk_rope_head_dim' ({rope}) must be "
@@ -1138,6 +1146,54 @@ def _deepseek_v3_family(cfg: Mapping[str, Any], source: str, num_layers: int) ->
     )
 
 
+# GLM-5 / GLM-5.1 (``glm_moe_dsa``, SPEC 11.5): transformers' GlmMoeDsaConfig defaults where they differ from
+# DeepSeek-V3's (a config.json that leaves a field out gets these).
+GLM_MOE_DSA_DEFAULTS = dict(q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+                            v_head_dim=256, intermediate_size=12288, moe_intermediate_size=2048, n_group=1,
+                            topk_group=1, rms_norm_eps=1e-5, index_topk=2048, index_head_dim=128, index_n_heads=32)
+
+
+def _glm_moe_dsa_family(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
+    """GLM-5 / GLM-5.1: DeepSeek-V3's decoder (MLA, its router with ``n_group = topk_group = 1`` by default, shared
+    experts, dense first layers) with three differences: the low-rank query path always (transformers has no
+    ``q_proj`` form: its indexer reads the query residual), RoPE always interleaved (no flag), the dense/sparse
+    plan from ``mlp_layer_types`` when given; plus DeepSeek's sparse-attention indexer (``models/dsa_indexer``)."""
+    from dflash_jax.models.dsa_indexer import DSAConfig, indexer_layer_types
+
+    if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None:
+        raise ConfigError(f"{source}: field 'q_lora_rank' is null, but GLM-MoE-DSA always uses the low-rank query "
+                          "path (its indexer reads the query residual)")
+    out = _deepseek_v3_family({**cfg, "rope_interleave": True}, source, num_layers)
+    if cfg.get("mlp_layer_types") is not None:
+        types = cfg["mlp_layer_types"]
+        if not isinstance(types, (list, tuple)) or len(types) != num_layers or set(types) - {"dense", "sparse"}:
+            raise ConfigError(f"{source}: field 'mlp_layer_types' must give 'dense' or 'sparse' for each of the "
+                              f"{num_layers} layers, got {types!r}")
+        out["expert_layers"] = tuple(i for i, kind in enumerate(types) if kind == "sparse")
+    rope_dim = out["mla"].qk_rope_head_dim
+    heads = int_field(cfg, "index_n_heads", source, 32)
+    dim = int_field(cfg, "index_head_dim", source, 128)
+    if dim < rope_dim or dim % 2:
+        raise ConfigError(f"{source}: field 'index_head_dim' ({dim}) must be even and at least qk_rope_head_dim "
+                          f"({rope_dim}): the indexer rotates its first qk_rope_head_dim dims")
+    out["dsa"] = DSAConfig(index_topk=int_field(cfg, "index_topk", source, 2048), index_n_heads=heads,
+                           index_head_dim=dim, rope_dim=rope_dim,
+                           layer_types=indexer_layer_types(cfg, num_layers, source))
+    return out
+
+
+def _glm_moe_dsa_to_hf(config: "TargetConfig", out: dict[str, Any]) -> dict[str, Any]:
+    """A ``GlmMoeDsaForCausalLM`` config.json: DeepSeek-V3's fields, then GLM's own."""
+    d = config.dsa
+    for key in ("rope_interleave", "num_nextn_predict_layers"):  # not GLM fields
+        out.pop(key, None)
+    out.update(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", index_topk=d.index_topk,
+               index_n_heads=d.index_n_heads, index_head_dim=d.index_head_dim, indexer_types=list(d.layer_types),
+               mlp_layer_types=["sparse" if config.is_expert_layer(i) else "dense"
+                                for i in range(config.num_hidden_layers)])
+    return out
+
+
 def _deepseek_v3_to_hf(config: "TargetConfig", out: dict[str, Any]) -> dict[str, Any]:
     """``TargetConfig.to_hf_dict`` of an MLA target: a ``DeepseekV3ForCausalLM`` config.json (Kimi K2's text
     decoder too: transformers has no text-only Kimi class, its language model is a DeepseekV3 model)."""
@@ -1195,6 +1251,7 @@ FAMILIES = {
     "qwen3_next": _hybrid_family, "qwen3_5_text": _hybrid_family, "qwen3_5_moe_text": _hybrid_family,
     "minimax_m2": _minimax_m2_family, "gemma4_text": _gemma4_family, "gemma4_unified_text": _gemma4_family,
     MUSE_GLIMMER_TEXT: _muse_glimmer_family, "deepseek_v3": _deepseek_v3_family, "kimi_k2": _deepseek_v3_family,
+    "glm_moe_dsa": _glm_moe_dsa_family,
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -1203,5 +1260,5 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
                  "minimax_m2": "MiniMaxM2ForCausalLM", "gemma4_text": "Gemma4ForCausalLM",
                  "gemma4_unified_text": "Gemma4UnifiedForCausalLM",
                  MUSE_GLIMMER_TEXT: "MuseGlimmerForConditionalGeneration", "deepseek_v3": "DeepseekV3ForCausalLM",
-                 "kimi_k2": "DeepseekV3ForCausalLM"}
+                 "kimi_k2": "DeepseekV3ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

@@ -28,6 +28,11 @@ engine's rollbacks need nothing new: a chain lowers the lengths (``KVCache.with_
 accepted slots (``KVCache.commit_path``), slot by slot, whatever a slot holds. Under a mesh the single head
 cannot split over ``tensor`` and is replicated there (``sharding.spec_for``), rows over the data axes.
 
+GLM-5 / GLM-5.1 (``config.dsa``): DeepSeek's sparse attention on top. Each query attends only to the keys its
+layer's indexer selects (``models/dsa_indexer``; a "shared" layer reuses the previous full layer's selection, which
+this layer takes as ``selection`` and returns), in both forms: the selection replaces the mask. A full layer's
+cache entry is then ``(keys, values, indexer_keys [B, 1, S, D_I])``, written at the latent's slots.
+
 Fused attention kernels (cuDNN, the Pallas ones) take neither a 576-wide head nor values narrower than keys:
 this layer gives ``cache_attention`` no fused segments, so under ``--attention auto`` (or any fused kernel) it
 takes the portable XLA walk over the cache, under ``loop`` the live-length loop; never a kernel that refuses.
@@ -42,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.config import TargetConfig
+from dflash_jax.models.dsa_indexer import Indexer, dsa_selection, select_mask
 from dflash_jax.models.layers import (
     RMSNorm, apply_rope, apply_rope_interleaved, attention, cache_attention, rope_inv_freq, rope_scale,
     to_cache_layout, write_rows,
@@ -61,16 +67,19 @@ class Kernel(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """One MLA layer: ``(x [B, T, H], positions, mask, cache_kv, ...) -> (out [B, T, H], (keys, values))``, the
-    same call as ``TargetAttention`` without windows (see that class for the arguments). ``cache_kv``: the
-    layer's latent cache ``(keys [B, 1, S, r + dr], values [B, 1, S, 0])`` or None (the expanded form)."""
+    """One MLA layer: ``(x [B, T, H], positions, mask, cache_kv, ...) -> (out [B, T, H], (keys, values),
+    selection)``, the same call as ``TargetAttention`` without windows (see that class for the arguments).
+    ``cache_kv``: the layer's latent cache ``(keys [B, 1, S, r + dr], values [B, 1, S, 0])``, plus its indexer
+    keys on a DSA full layer, or None (the expanded form). ``selection``: with DSA, the keys each query keeps
+    (``[B, T, S]``, from the previous full layer; returned updated), else None throughout."""
 
     config: TargetConfig
     dtype: Any = jnp.float32
+    index: int = 0  # the layer's index: a DSA layer's full/shared mode
 
     @nn.compact
     def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None, lengths=None,
-                 valid=None, block_mask=None):
+                 valid=None, block_mask=None, selection=None):
         cfg, m = self.config, self.config.mla
         b, t, _ = x.shape
         heads, dn, dr, dv, r = (cfg.num_attention_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
@@ -79,8 +88,8 @@ class MLAttention(nn.Module):
             n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
         norm = lambda name: RMSNorm(m.latent_norm_eps, self.dtype, self.dtype, name=name)  # noqa: E731
         if m.q_lora_rank:
-            q = dense(heads * (dn + dr), False, "q_b_proj")(
-                norm("q_a_layernorm")(dense(m.q_lora_rank, m.attention_bias, "q_a_proj")(x)))
+            q_resid = norm("q_a_layernorm")(dense(m.q_lora_rank, m.attention_bias, "q_a_proj")(x))
+            q = dense(heads * (dn + dr), False, "q_b_proj")(q_resid)
         else:
             q = dense(heads * (dn + dr), False, "q_proj")(x)
         q = q.reshape(b, t, heads, dn + dr)
@@ -91,6 +100,13 @@ class MLAttention(nn.Module):
         inv_freq, scale = rope_inv_freq(cfg.rope, dr), rope_scale(cfg.rope)
         rotate = apply_rope_interleaved if m.rope_interleave else apply_rope
         q_pe, k_pe = rotate(q_pe, positions, inv_freq, scale), rotate(k_pe, positions, inv_freq, scale)
+        indexer_keys = None
+        if cfg.dsa is not None:  # the selection stands in for the mask: a query sees its selected keys only
+            indexer = Indexer(cfg.dsa, self.dtype, name="indexer") if cfg.dsa.is_full(self.index) else None
+            own = cache_kv[2] if cache_kv is not None and indexer is not None else None
+            selection, indexer_keys = dsa_selection(cfg.dsa, self.index, indexer, x, q_resid, positions, inv_freq,
+                                                    scale, mask, own, slots, previous=selection)
+            mask = select_mask(mask, selection)
         w = Kernel((r, heads * (dn + dv)), self.dtype, name="kv_b_proj")().astype(self.dtype)
         o_proj = dense(cfg.hidden_size, m.attention_bias, "o_proj")
 
@@ -102,15 +118,16 @@ class MLAttention(nn.Module):
             k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_pe, (b, t, heads, dr))], axis=-1)
             query = scaled(jnp.concatenate([q_nope, q_pe], axis=-1))
             out = attention(query, [(to_cache_layout(k), to_cache_layout(kv[..., dn:]), mask)])
-            return o_proj(out.reshape(b, t, heads * dv)), None
+            return o_proj(out.reshape(b, t, heads * dv)), None, selection
 
         # absorbed: kv_b_proj's kernel [r, heads * (dn + dv)] holds W_UK (keys) and W_UV (values) per head
         w = w.reshape(r, heads, dn + dv)
         q_latent = jnp.einsum("bthn,rhn->bthr", q_nope, w[..., :dn])
         query = scaled(jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1))  # [B, T, heads, r + dr]
-        keys, values = cache_kv
+        keys, values = cache_kv[:2]
         entry = jnp.concatenate([c[:, :, None, :], k_pe.astype(c.dtype)], axis=-1)  # [B, T, 1, r + dr]
         keys = write_rows(keys, entry, slots)
         context = cache_attention(query, keys, values, mask, live, values_in_keys=r)  # [B, T, heads, r]
         out = jnp.einsum("bthr,rhv->bthv", context, w[..., dn:])
-        return o_proj(out.reshape(b, t, heads * dv)), (keys, values)
+        new_kv = (keys, values) if indexer_keys is None else (keys, values, indexer_keys)
+        return o_proj(out.reshape(b, t, heads * dv)), new_kv, selection

@@ -1,12 +1,13 @@
 """The target decoder: LLaMA-2/3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, gpt-oss, the hybrid Qwen3-Next / Qwen3.5 /
-Qwen3.6, MiniMax-M2, Gemma 4, Muse Glimmer, DeepSeek-V3 and Kimi K2 as one pure Flax module.
+Qwen3.6, MiniMax-M2, Gemma 4, Muse Glimmer, DeepSeek-V3, Kimi K2 and GLM-5 as one pure Flax module.
 
 A family is a set of differences read from its config (``models/config.py``): attention flags (biases, q/k
 norms, sinks, an output gate, partial RoPE, zero-centred norms; Gemma 4's V norm, keys as values, softmax
 scale and full layers of their own shape; Muse Glimmer's weightless q/k norms, scaled queries, gate
 projection and layers without RoPE), each layer's token mixer (softmax attention, with an optional
 window, a Gated DeltaNet: ``models/gated_deltanet.py``, or DeepSeek-V3's multi-head latent attention with its
-latent cache: ``models/mla.py``), each layer's FFN (a dense SwiGLU or GeGLU,
+latent cache: ``models/mla.py``, GLM-5's with DeepSeek's sparse-attention indexer on top:
+``models/dsa_indexer.py``), each layer's FFN (a dense SwiGLU or GeGLU,
 ``models/experts.Experts``, or both side by side) and where the norms sit (before each sublayer, or around
 it as Gemma's and Muse Glimmer's sandwich, with Gemma's stored ``layer_scalar``).
 
@@ -140,10 +141,11 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, positions, mask, cache_kv=None, slots=None, live=None, spans=None, valid=None,
-                 lengths=None, new_lengths=None, block_mask=None):
-        """``cache_kv``: this layer's cache, ``(keys, values)`` for attention or a ``LinearState`` for a Gated
-        DeltaNet (which reads ``valid`` and the rows' ``lengths`` instead of the attention masks);
-        ``new_lengths``: the rows' lengths after this forward."""
+                 lengths=None, new_lengths=None, block_mask=None, selection=None):
+        """``cache_kv``: this layer's cache, ``(keys, values)`` for attention (plus the indexer keys on a DSA full
+        layer) or a ``LinearState`` for a Gated DeltaNet (which reads ``valid`` and the rows' ``lengths`` instead
+        of the attention masks); ``new_lengths``: the rows' lengths after this forward. ``selection``: the DSA
+        selection of the last full layer (GLM-5; None otherwise), returned as the third output, updated."""
         cfg = self.config
         norm = lambda name, eps=cfg.rms_norm_eps: RMSNorm(eps, self.dtype, self.dtype,  # noqa: E731
                                                           cfg.norm_weight_in_float32, cfg.zero_centered_norms,
@@ -156,9 +158,13 @@ class DecoderLayer(nn.Module):
             if cache_kv is None:
                 new_kv = None
         else:
-            attend = MLAttention(cfg, self.dtype, name="self_attn") if cfg.mla is not None else TargetAttention(
-                cfg, self.dtype, cfg.window(self.index), cfg.has_rope(self.index), name="self_attn")
-            mixed, new_kv = attend(h, positions, mask, cache_kv, slots, live, spans, new_lengths, valid, block_mask)
+            if cfg.mla is not None:
+                mixed, new_kv, selection = MLAttention(cfg, self.dtype, self.index, name="self_attn")(
+                    h, positions, mask, cache_kv, slots, live, spans, new_lengths, valid, block_mask, selection)
+            else:
+                mixed, new_kv = TargetAttention(cfg, self.dtype, cfg.window(self.index), cfg.has_rope(self.index),
+                                                name="self_attn")(h, positions, mask, cache_kv, slots, live, spans,
+                                                                  new_lengths, valid, block_mask)
 
         def ffn(h, residual):
             if cfg.is_expert_layer(self.index) and not cfg.experts_beside_mlp:
@@ -178,7 +184,7 @@ class DecoderLayer(nn.Module):
             x = x + ffn(norm("post_attention_layernorm")(x), x)
         if cfg.layer_scalar:
             x = x * self.param("layer_scalar", nn.initializers.ones, (1,), self.dtype)
-        return x, new_kv
+        return x, new_kv, selection
 
 
 class TargetModel(nn.Module):
@@ -291,23 +297,29 @@ class TargetModel(nn.Module):
         else:
             slots = None
             mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
-        features, new_keys, new_values, new_linear = {}, [], [], []
+        features, new_keys, new_values, new_linear, new_indexer = {}, [], [], [], []
         last = len(self.layers) - 1
         attention_index = {layer: n for n, layer in enumerate(self.config.attention_layers)}
         linear_index = {layer: n for n, layer in enumerate(self.config.linear_layers)}
+        dsa = self.config.dsa
+        indexer_index = {layer: n for n, layer in enumerate(dsa.full_layers)} if dsa is not None else {}
         lengths = cache.lengths if cache is not None else None
+        selection = None  # GLM-5's DSA: the last full layer's selection, which shared layers reuse
         for i, layer in enumerate(self.layers):
             layer_cache = None
             if cache is not None:
                 layer_cache = cache.linear[linear_index[i]] if i in linear_index else (
                     cache.keys[attention_index[i]], cache.values[attention_index[i]])
-            x, new_kv = layer(x, positions, mask, layer_cache, slots, live, spans, valid, lengths,
-                              new_lengths if cache is not None else None, tree)
+                if i in indexer_index:
+                    layer_cache = layer_cache + (cache.indexer[indexer_index[i]],)
+            x, new_kv, selection = layer(x, positions, mask, layer_cache, slots, live, spans, valid, lengths,
+                                         new_lengths if cache is not None else None, tree, selection)
             if isinstance(new_kv, LinearState):
                 new_linear.append(new_kv)
             elif new_kv is not None:
                 new_keys.append(new_kv[0])
                 new_values.append(new_kv[1])
+                new_indexer.extend(new_kv[2:])
             if i in feature_layers and i < last:
                 features[i] = x
         normed = None
@@ -323,7 +335,7 @@ class TargetModel(nn.Module):
                 logits = self.unembed(normed) if normed is not None else self.head(x)
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(tuple(new_keys), tuple(new_values), new_lengths, tuple(new_linear))
+            new_cache = KVCache(tuple(new_keys), tuple(new_values), new_lengths, tuple(new_linear), tuple(new_indexer))
         return TargetOutput(logits, feats, new_cache)
 
 
@@ -346,6 +358,9 @@ def init_cache(config: TargetConfig, batch: int, slots: int, dtype=jnp.float32, 
         value_shapes = [(batch, 1, slots, 0)] * len(shapes)
     cache = KVCache(tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in value_shapes),
                     jnp.zeros((batch,), jnp.int32))
+    if config.dsa is not None:  # GLM-5: each full DSA layer's indexer keys, in the latent's slots (models/dsa_indexer)
+        cache = cache.replace(indexer=tuple(jnp.zeros((batch, 1, slots, config.dsa.index_head_dim), dtype)
+                                            for _ in config.dsa.full_layers))
     la = config.linear_attention
     linear = tuple(LinearState.create(batch, extension, la.conv_kernel, la.conv_dim, la.num_v_heads, la.head_k_dim,
                                       la.head_v_dim, dtype) for _ in config.linear_layers)

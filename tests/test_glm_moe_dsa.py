@@ -1,0 +1,250 @@
+"""GLM-5 / GLM-5.1 targets (``glm_moe_dsa``) vs transformers' own ``GlmMoeDsaForCausalLM``.
+
+The reference is a tiny random model built here (hidden 64, vocab 300, 4 layers, fp32): multi-head latent
+attention (q_lora_rank 24, kv_lora_rank 32, qk_nope 16, qk_rope 8, v_head_dim 16, interleaved RoPE), DeepSeek's
+sparse-attention indexer (8 heads of 16 dims, ``index_topk`` 4: the prompts of 5, 11 and 17 tokens all outgrow it,
+so the selection drops keys), layers full / shared / full / shared (``index_topk_pattern`` "FSFS": the shared
+layers reuse the previous full layer's selection), layer 0 dense and then 8 experts top-2 with DeepSeek's router
+(``n_group`` = ``topk_group`` = 1, routed scaling 2.5, one shared expert). Every weight is drawn away from its
+init (``hf_tiny.randomise``: the indexer's LayerNorm weight around 1 and its bias around 0, the router's
+``e_score_correction_bias`` buffer with a spread of 0.5), saved with ``save_pretrained`` and loaded with
+``load_target``.
+
+Tolerances (fp32, CPU): logits and every layer's feature within 1e-4 of transformers' (``hf_tiny.scaled_error``;
+``hidden_states[i + 1]`` for layer i, the last after the final norm). The cached forward (latent and indexer-key
+caches, two chunks) equals the plain one within 1e-5. A prompt no longer than ``index_topk`` is attended exactly
+densely (the logits equal those with the indexer off, to the bit). Greedy decoding equals ``generate``; DFlash with
+a random draft (both caches rolled back every round) and a verified tree equal autoregressive decoding.
+``test_the_fixture_exercises_each_difference``: attending densely, dropping the indexer LayerNorm's bias, the ReLU
+or the shared layers' reuse moves the logits far past the tolerance.
+"""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dflash_jax.checkpoints.hf_target import load_target  # noqa: E402
+from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft  # noqa: E402
+from dflash_jax.engine.decoder import Decoder  # noqa: E402
+from dflash_jax.models import dsa_indexer  # noqa: E402
+from dflash_jax.models.config import ConfigError, TargetConfig  # noqa: E402
+from dflash_jax.models.draft_config import DraftConfig  # noqa: E402
+from dflash_jax.models.target import TargetModel, init_cache  # noqa: E402
+from draft_tiny import official_config  # noqa: E402
+from hf_tiny import batched_forward, hf_forward, overridden, prompts, randomise, scaled_error, worst_errors  # noqa: E402
+
+TOL = 1e-4
+VOCAB = 300
+TOPK = 4
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=256,
+            index_topk=TOPK, index_n_heads=8, index_head_dim=16, index_topk_pattern="FSFS", bos_token_id=0,
+            eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("glm_moe_dsa")
+    torch.manual_seed(0)
+    hf_model = randomise(transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(**TEXT)).eval())
+    hf_model.save_pretrained(out)
+    config, params = load_target(out)
+    return out, hf_model, config, params
+
+
+def test_config_reads_the_family(built):
+    out, hf_model, config, params = built
+    m, d, e = config.mla, config.dsa, config.experts
+    assert config.model_type == "glm_moe_dsa" and m.rope_interleave and m.q_lora_rank == 24
+    assert config.rms_norm_eps == hf_model.config.rms_norm_eps == 1e-5  # GLM's default, not DeepSeek's
+    assert (d.index_topk, d.index_n_heads, d.index_head_dim, d.rope_dim) == (TOPK, 8, 16, 8)
+    assert d.layer_types == ("full", "shared", "full", "shared") and d.full_layers == (0, 2)
+    assert (e.n_group, e.topk_group, e.routed_scaling_factor) == (1, 1, 2.5) and config.expert_layers == (1, 2, 3)
+    indexer = params["layers_0"]["self_attn"]["indexer"]
+    assert indexer["wq_b"]["kernel"].shape == (24, 128) and indexer["k_norm"]["bias"].shape == (16,)
+    assert "indexer" not in params["layers_1"]["self_attn"]
+    assert float(np.abs(indexer["k_norm"]["bias"]).max()) > 0.05  # the bias is exercised
+    assert TargetConfig.from_dict(config.to_hf_dict()) == config  # the export reads back the same
+
+
+def test_logits_and_every_layer_match_transformers(built):
+    _, hf_model, config, params = built
+    worst_logit, worst_feat = worst_errors(config, params, hf_model, prompts(VOCAB))
+    print(f"glm_moe_dsa: logits vs hf {worst_logit:.2e}, features {worst_feat:.2e}")
+    assert worst_logit <= TOL and worst_feat <= TOL
+
+
+def dense(config):
+    return dataclasses.replace(config, dsa=dataclasses.replace(config.dsa, index_topk=10 ** 6))
+
+
+def test_attention_is_exactly_dense_while_the_visible_keys_fit_in_index_topk(built):
+    """Rows of at most ``index_topk`` tokens: every query keeps all its keys, the logits are the dense model's
+    to the bit; longer rows are not (their late queries drop keys)."""
+    _, _, config, params = built
+    rows = prompts(VOCAB, lengths=(TOPK, 12))
+    sparse, _ = batched_forward(config, params, rows)
+    full, _ = batched_forward(dense(config), params, rows)
+    assert np.array_equal(sparse[0, :TOPK], full[0, :TOPK]) and np.array_equal(sparse[1, :TOPK], full[1, :TOPK])
+    assert scaled_error(sparse[1], full[1]) > 100 * TOL
+
+
+def test_the_cached_forward_equals_the_plain_one(built):
+    """A prefill in two chunks through the latent and indexer-key caches (the second chunk's queries rank the
+    cached keys with their own) gives the plain forward's logits."""
+    _, _, config, params = built
+    rows = prompts(VOCAB)
+    plain, _ = batched_forward(config, params, rows)
+    cut = 9
+    tokens = np.zeros((len(rows), 2 * cut), np.int32)
+    valid = np.zeros((len(rows), 2 * cut), bool)
+    for b, r in enumerate(rows):
+        tokens[b, :len(r)], valid[b, :len(r)] = r, True
+    positions = np.broadcast_to(np.arange(2 * cut), tokens.shape)
+    cache = init_cache(config, len(rows), 32)
+    assert len(cache.indexer) == 2 and cache.indexer[0].shape == (3, 1, 32, 16)
+    apply = jax.jit(TargetModel(config).apply)
+    first = apply({"params": params}, tokens[:, :cut], positions[:, :cut], cache=cache, valid=valid[:, :cut])
+    second = apply({"params": params}, tokens[:, cut:], positions[:, cut:], cache=first.cache, valid=valid[:, cut:])
+    cached = np.concatenate([np.asarray(first.logits), np.asarray(second.logits)], axis=1)
+    for b, r in enumerate(rows):
+        assert scaled_error(cached[b, :len(r)], plain[b, :len(r)]) <= 1e-5
+    assert list(np.asarray(second.cache.lengths)) == [len(r) for r in rows]
+    assert np.asarray(second.cache.indexer[1])[0, 0, :len(rows[0])].any()
+
+
+def _without_norm_bias(params):
+    out = dict(params)
+    for i in (0, 2):
+        attn = dict(out[f"layers_{i}"]["self_attn"])
+        indexer = dict(attn["indexer"])
+        indexer["k_norm"] = {**indexer["k_norm"], "bias": jnp.zeros_like(indexer["k_norm"]["bias"])}
+        attn["indexer"] = indexer
+        out[f"layers_{i}"] = {**out[f"layers_{i}"], "self_attn": attn}
+    return out
+
+
+def _no_relu(q, w, keys):
+    if keys.ndim == 4:
+        keys = keys[:, 0]
+    dots = jnp.einsum("bthd,bsd->bths", q, keys) * q.shape[-1] ** -0.5
+    return jnp.einsum("bth,bths->bts", w, dots)
+
+
+@pytest.mark.parametrize("mutation", ["dense", "no_norm_bias", "no_relu", "every_layer_full"])
+def test_the_fixture_exercises_each_difference(built, mutation, monkeypatch):
+    """A decoder that ignored one of the indexer's details would fail the parity test: each mutation moves the
+    logits far past its tolerance."""
+    _, hf_model, config, params = built
+    if mutation == "dense":
+        config = dense(config)
+    elif mutation == "no_norm_bias":
+        params = _without_norm_bias(params)
+    elif mutation == "no_relu":
+        monkeypatch.setattr(dsa_indexer, "index_scores", _no_relu)
+    else:  # each layer its own selection: the shared layers' missing indexers drawn from their full neighbours
+        config = dataclasses.replace(config, dsa=dataclasses.replace(config.dsa, layer_types=("full",) * 4))
+        params = {**params, **{f"layers_{i}": {**params[f"layers_{i}"], "self_attn": {
+            **params[f"layers_{i}"]["self_attn"], "indexer": params[f"layers_{i - 1}"]["self_attn"]["indexer"]}}
+            for i in (1, 3)}}
+    row = prompts(VOCAB)[2]
+    logits, _ = batched_forward(config, params, [row])
+    assert scaled_error(logits[0], hf_forward(hf_model, row)[0]) > 100 * TOL
+
+
+@pytest.fixture(scope="module")
+def decoded(built):
+    """Decoded autoregressively, by DFlash with a random draft (chain) and with a verified tree (one decoder)."""
+    _, _, config, params = built
+    draft_config = DraftConfig.from_dict(official_config(
+        vocab_size=VOCAB, block_size=8, num_target_layers=config.num_hidden_layers,
+        dflash_config={"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1}))
+    decoder = Decoder(config, params, draft_config, init_draft_params(draft_config, seed=1))
+    batch = [p.tolist() for p in prompts(VOCAB, seed=2)]
+    ar, chain = decoder.generate(batch, 24, baseline=True), decoder.generate(batch, 24)
+    decoder.tree_budget = 12  # the latent and indexer keys of the accepted nodes moved by one commit
+    return batch, ar, chain, decoder.generate(batch, 24)
+
+
+def test_greedy_continuation_matches_generate(built, decoded):
+    hf_model = built[1]
+    batch, ar, _, _ = decoded
+    for prompt, row in zip(batch, ar.tokens):
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor(prompt)[None], max_new_tokens=24, do_sample=False,
+                                    min_new_tokens=24, pad_token_id=0)
+        assert row == ref[0, len(prompt):].tolist()
+
+
+def test_dflash_with_a_random_draft_equals_autoregressive_decoding(decoded):
+    _, ar, chain, tree = decoded
+    assert chain.tokens == ar.tokens
+    assert all(min(row) < 8 for row in chain.accept_lengths)  # rejected draft tokens rolled back
+    assert tree.tokens == ar.tokens
+
+
+def _config(**overrides):
+    return overridden({"model_type": "glm_moe_dsa", **TEXT}, **overrides)
+
+
+def test_the_direct_query_form_is_refused():
+    """transformers' GLM-MoE-DSA always reads the query residual (its indexer's input): a null q_lora_rank is
+    refused, naming the field."""
+    with pytest.raises(ConfigError, match="q_lora_rank"):
+        TargetConfig.from_dict({**_config(), "q_lora_rank": None}, "glm/config.json")
+
+
+def test_defaults_and_schedules_are_transformers():
+    """A config.json that leaves fields out gets GlmMoeDsaConfig's defaults (not DeepSeek-V3's), and the indexer
+    schedule transformers derives from index_topk_freq / index_skip_topk_offset."""
+    fields = {k: v for k, v in _config(index_topk_pattern=None, index_topk_freq=2).items()
+              if k not in ("q_lora_rank", "n_group", "topk_group", "index_n_heads", "index_head_dim")}
+    ours, theirs = TargetConfig.from_dict(fields), transformers.GlmMoeDsaConfig(**fields)
+    assert ours.mla.q_lora_rank == theirs.q_lora_rank == 2048 and ours.experts.n_group == theirs.n_group == 1
+    assert ours.dsa.index_n_heads == 32 and ours.dsa.index_head_dim == 128
+    assert ours.dsa.layer_types == tuple(theirs.indexer_types) == ("full", "full", "shared", "full")
+    plan = TargetConfig.from_dict(_config(mlp_layer_types=["dense", "sparse", "dense", "sparse"]))
+    assert plan.expert_layers == (1, 3)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(index_topk_pattern="SFFS"), "make layer 0 shared"),
+    (dict(index_head_dim=6), "index_head_dim"),
+    (dict(mlp_layer_types=["dense", "moe", "dense", "dense"]), "mlp_layer_types"),
+])
+def test_configs_it_cannot_compute_exactly_are_refused(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        TargetConfig.from_dict(_config(**overrides), "glm/config.json")
+
+
+def test_python_m_infer_runs_on_a_tiny_glm_dir(built, tmp_path, capsys):
+    """``python -m infer --target DIR --baseline`` on the tiny GLM-MoE-DSA directory (with a tokenizer), with and
+    without a random DFlash draft: DFlash matches the baseline."""
+    from cli_tiny import write_tokenizer
+    from infer.__main__ import main
+
+    out, _, config, _ = built
+    target = shutil.copytree(out, tmp_path / "target")
+    write_tokenizer(target)
+    draft_config = DraftConfig.from_dict(official_config(
+        vocab_size=VOCAB, block_size=8, num_target_layers=config.num_hidden_layers,
+        dflash_config={"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1}))
+    save_draft(draft_config, init_draft_params(draft_config, seed=1), tmp_path / "draft")
+    common = ["--target", str(target), "--prompt", "hello there", "--max-new-tokens", "12", "--baseline", "--json",
+              "--no-chat-template"]
+    assert main(common) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main(common + ["--ckpt", str(tmp_path / "draft")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["results"][0]["matches_baseline"] is True
+    assert doc["results"][0]["tokens"] == alone["results"][0]["tokens"]
