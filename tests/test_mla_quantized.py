@@ -1,0 +1,240 @@
+"""Quantised checkpoints of the multi-head latent attention families, end to end: a DeepSeek-V3 target in block
+FP8 and a Kimi K2.5 target with compressed-tensors INT4 experts load exactly as float checkpoints of their decoding.
+
+The references are independent of ``checkpoints/quantized``: this file quantises transformers' own tiny random
+models (``DeepseekV3ForCausalLM``, ``Kimi_K25ForConditionalGeneration`` with its vision tower, saved by
+``save_pretrained``) with a vectorised NumPy quantiser and packer of its own (block amax / 448 rounded to e4m3 by
+ml_dtypes; INT4 codes shifted by 8 and packed eight to an int32 word, element ``8 g + k`` in bits ``4k .. 4k + 3``
+of word ``g``, as compressed-tensors' ``pack_to_int32`` lays them out; a hand-computed word checks the packer),
+decodes them with an index formula, and writes a float checkpoint holding that decoding. ``load_target`` of the
+quantised directory must equal ``load_target`` of the float one bit for bit, in float32 and in bfloat16 (one
+rounding of the float32 decoding).
+
+- DeepSeek-V3 as released (``quant_method: "fp8"``, ``fmt: "e4m3"``, dynamic activations): every projection of
+  multi-head latent attention (``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``), the
+  dense first layer's MLP, each routed expert (``mlp.experts.{e}.{gate,up,down}_proj``) and the shared expert in
+  FP8 with their own ``weight_scale_inv`` grids (16 x 16 blocks here, 128 x 128 in the release; 24-, 40- and
+  72-wide dimensions leave partial blocks); the norms (both latent norms included), the router's weight and its
+  ``e_score_correction_bias``, the embedding and the head stay float. ``kv_b_proj`` (divisible by the block) is
+  also decoded by transformers' own ``Fp8Dequantize``.
+- Kimi K2.5 as released: the text layers under ``language_model.model.layers.N``, the vision tower and projector
+  present, ``quantization_config`` at the top level and in ``text_config`` (pack-quantized, INT4 symmetric group
+  32, ignoring attention, the shared experts and the dense MLP); each routed expert's three projections stored as
+  ``weight_packed`` int32 ``[out, ceil(in / 8)]``, ``weight_scale`` bfloat16 ``[out, ceil(in / 32)]`` and
+  ``weight_shape``; ``down_proj`` reads 40 inputs: a partial word and a partial group.
+"""
+
+import json
+import re
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from dflash_jax.checkpoints.hf_target import load_target  # noqa: E402
+from dflash_jax.checkpoints.safetensors_io import SafetensorsDir, flatten  # noqa: E402
+from hf_tiny import randomise  # noqa: E402
+
+FP8_MAX = 448.0
+BLOCK = (16, 16)
+GROUP = 32
+TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=72, moe_intermediate_size=40, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+            first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=256,
+            rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=None)
+KIMI_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, pos_emb_height=4,
+                   pos_emb_width=4, pos_emb_time=2, patch_size=14)
+# DeepSeek-V3's released quantization_config, with this file's block.
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
+# Kimi K2.5's released quantization_config (moonshotai/Kimi-K2.5, config.json).
+INT4_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "kv_cache_scheme": None,
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                              "group_size": GROUP, "actorder": None, "block_structure": None,
+                                              "dynamic": False, "observer": "minmax", "observer_kwargs": {}}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+}
+FP8_LINEAR = re.compile(r"layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)|"
+                        r"mlp\.(experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj)\.weight$")
+ROUTED = re.compile(r"language_model\.model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+# --- this file's quantisers and decoders (vectorised; not the loader's code) ----------------------------------
+
+def fp8_quantise(w: np.ndarray, block=BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """float [N, K] -> (e4m3 codes, float32 scale_inv [ceil(N/bn), ceil(K/bk)]) by block amax / 448."""
+    n, k = w.shape
+    bn, bk = block
+    gn, gk = -(-n // bn), -(-k // bk)
+    padded = np.zeros((gn * bn, gk * bk), np.float32)
+    padded[:n, :k] = w
+    amax = np.abs(padded.reshape(gn, bn, gk, bk)).max(axis=(1, 3))
+    scale = (np.maximum(amax, 1e-12) / FP8_MAX).astype(np.float32)
+    full = np.repeat(np.repeat(scale, bn, axis=0), bk, axis=1)[:n, :k]
+    codes = np.clip(w.astype(np.float32) / full, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return codes, scale
+
+
+def fp8_decode(codes: np.ndarray, scale: np.ndarray, block=BLOCK) -> np.ndarray:
+    rows, cols = np.arange(codes.shape[0]) // block[0], np.arange(codes.shape[1]) // block[1]
+    return codes.astype(np.float32) * scale[rows[:, None], cols[None, :]]
+
+
+def int4_quantise(w: np.ndarray, group=GROUP) -> tuple[np.ndarray, np.ndarray]:
+    """float [out, in] -> (codes in [-8, 7], bfloat16 scales [out, ceil(in / group)]). The scale is amax / 8, so
+    the largest magnitudes clip to 7 or reach -8: the whole code range occurs."""
+    out, inn = w.shape
+    groups = -(-inn // group)
+    padded = np.zeros((out, groups * group), np.float32)
+    padded[:, :inn] = w
+    amax = np.abs(padded.reshape(out, groups, group)).max(axis=2)
+    scale = (np.maximum(amax, 1e-6) / 8).astype(ml_dtypes.bfloat16)
+    full = np.repeat(scale.astype(np.float32), group, axis=1)[:, :inn]
+    q = np.clip(np.rint(w / full), -8, 7).astype(np.int8)
+    return q, scale
+
+
+def int4_pack(q: np.ndarray) -> np.ndarray:
+    """int [out, in] in [-8, 7] -> int32 [out, ceil(in / 8)]: element 8 g + k in bits 4k .. 4k + 3 of word g."""
+    out, inn = q.shape
+    words = -(-inn // 8)
+    u = np.zeros((out, words * 8), np.uint32)
+    u[:, :inn] = q.astype(np.int32) + 8
+    shifts = (4 * np.arange(8, dtype=np.uint32))[None, None, :]
+    return np.bitwise_or.reduce(u.reshape(out, words, 8) << shifts, axis=2).astype(np.uint32).view(np.int32)
+
+
+def int4_decode(q: np.ndarray, scale: np.ndarray, group=GROUP) -> np.ndarray:
+    return q.astype(np.float32) * scale.astype(np.float32)[:, np.arange(q.shape[1]) // group]
+
+
+# --- checkpoints -----------------------------------------------------------------------------------------------
+
+def to_torch(a: np.ndarray) -> "torch.Tensor":
+    if a.dtype == ml_dtypes.float8_e4m3fn:
+        return torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def read(path) -> dict:
+    with safe_open(str(path / "model.safetensors"), "np") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def write(dst, config: dict, tensors: dict):
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file({k: to_torch(v) for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def same_params(a, b):
+    fa, fb = flatten(a), flatten(b)
+    assert fa.keys() == fb.keys()
+    for path, x in fa.items():
+        assert x.dtype == fb[path].dtype, path
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(fb[path]), err_msg=str(path))
+
+
+def assert_loads_as_float(quant, floats, stored_key, stored_dtype):
+    """``load_target`` of ``quant`` (which stores ``stored_key`` as ``stored_dtype``) equals that of ``floats``
+    bit for bit, float32 and bfloat16."""
+    assert SafetensorsDir(quant, dequantize=False).stored_dtype_name(stored_key) == stored_dtype
+    config, params = load_target(quant)
+    want_config, want = load_target(floats)
+    assert config == want_config
+    same_params(params, want)
+    _, bf16 = load_target(quant, dtype="bfloat16")
+    _, bf16_want = load_target(floats, dtype="bfloat16")
+    same_params(bf16, bf16_want)
+    return config, params
+
+
+def test_the_int4_packer_writes_compressed_tensors_words():
+    """-8..7 in one row: word 0 = 0x76543210 (q -8..-1, lowest nibble first), word 1 = 0xFEDCBA98 (0..7); a
+    row of 11 values pads its second word with zero nibbles."""
+    words = int4_pack(np.arange(-8, 8)[None]).view(np.uint32)
+    assert words.tolist() == [[0x76543210, 0xFEDCBA98]]
+    assert int4_pack(np.full((1, 11), 7)).view(np.uint32).tolist() == [[0xFFFFFFFF, 0x00000FFF]]
+
+
+def test_deepseek_v3_fp8_loads_as_its_decoding(tmp_path):
+    torch.manual_seed(0)
+    model = randomise(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TEXT)).eval())
+    model.save_pretrained(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    quant, floats, names = {}, {}, set()
+    for key, w in read(tmp_path / "hf").items():
+        if FP8_LINEAR.search(key):
+            codes, scale = fp8_quantise(w)
+            quant[key], quant[key[: -len("weight")] + "weight_scale_inv"] = codes, scale
+            floats[key] = fp8_decode(codes, scale)
+            names.add(re.sub(r"experts\.\d+\.", "experts.", re.sub(r"model\.layers\.\d+\.", "", key)))
+        else:
+            quant[key] = floats[key] = w
+    # every kind of projection is quantised; what the release keeps float stays float
+    assert names == {f"self_attn.{p}.weight" for p in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                                         "o_proj")} | {
+        f"mlp.{m}{p}_proj.weight" for m in ("", "experts.", "shared_experts.") for p in ("gate", "up", "down")}
+    kept = [k for k in quant if "norm" in k or ".mlp.gate." in k or "embed" in k or "lm_head" in k]
+    assert all(quant[k].dtype == np.float32 for k in kept) and any("e_score_correction_bias" in k for k in kept)
+    assert any("kv_a_layernorm" in k for k in kept) and any("q_a_layernorm" in k for k in kept)
+    q_dir = write(tmp_path / "fp8", {**cfg, "quantization_config": FP8_CONFIG}, quant)
+    f_dir = write(tmp_path / "float", cfg, floats)
+    config, params = assert_loads_as_float(q_dir, f_dir, "model.layers.1.mlp.experts.3.down_proj.weight", "F8_E4M3")
+    assert config.mla.q_lora_rank == 24 and config.experts.num_experts == 8
+    assert np.abs(np.asarray(params["layers_2"]["mlp"]["experts"]["gate_proj"])).max() > 0
+    # transformers' own dequantiser on a tensor that divides into blocks: kv_b_proj [128, 32]
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    key = "model.layers.0.self_attn.kv_b_proj.weight"
+    ref = Fp8Dequantize(None)._dequantize_one(to_torch(quant[key]), to_torch(quant[key[:-6] + "weight_scale_inv"]),
+                                               torch.float32).numpy()
+    np.testing.assert_array_equal(SafetensorsDir(q_dir).get(key), ref)
+    np.testing.assert_array_equal(ref, floats[key])
+
+
+def test_kimi_k25_int4_experts_load_as_their_decoding(tmp_path):
+    torch.manual_seed(1)
+    cfg = transformers.Kimi_K25Config(text_config={**TEXT, "model_type": "kimi_k2"}, vision_config=KIMI_VISION,
+                                      projection_hidden_size=32, tie_word_embeddings=False)
+    randomise(transformers.Kimi_K25ForConditionalGeneration(cfg).eval()).save_pretrained(tmp_path / "hf")
+    config_json = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config_json["text_config"]["model_type"] = "kimi_k2"  # as released (5.x writes deepseek_v3)
+    released = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+                for k, v in read(tmp_path / "hf").items()}
+    assert any(k.startswith("vision_tower.") for k in released) and "language_model.lm_head.weight" in released
+    quant, floats, routed = {}, {}, 0
+    for key, w in released.items():
+        if ROUTED.search(key):
+            q, scale = int4_quantise(w)
+            assert q.min() == -8 and q.max() == 7
+            base = key[: -len("weight")]
+            quant.update({base + "weight_packed": int4_pack(q), base + "weight_scale": scale,
+                          base + "weight_shape": np.array(w.shape, np.int32)})
+            floats[key] = int4_decode(q, scale)
+            routed += 1
+        else:
+            quant[key] = floats[key] = w
+    assert routed == 2 * 8 * 3  # two expert layers of 8 experts, three projections each
+    down = "language_model.model.layers.1.mlp.experts.5.down_proj.weight_packed"
+    assert quant[down].shape == (64, 5) and quant[down[: -len("packed")] + "scale"].shape == (64, 2)
+    q_cfg = {**config_json, "quantization_config": INT4_CONFIG,
+             "text_config": {**config_json["text_config"], "quantization_config": INT4_CONFIG}}
+    q_dir = write(tmp_path / "int4", q_cfg, quant)
+    f_dir = write(tmp_path / "float", config_json, floats)
+    config, params = assert_loads_as_float(
+        q_dir, f_dir, "language_model.model.layers.2.mlp.experts.0.up_proj.weight_packed", "I32")
+    assert config.model_type == "kimi_k2" and not config.tie_word_embeddings
+    assert params["layers_1"]["mlp"]["experts"]["down_proj"].shape == (8, 40, 64)
