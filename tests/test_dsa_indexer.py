@@ -186,6 +186,16 @@ def test_a_query_that_sees_at_most_index_topk_keys_keeps_them_all():
     assert np.array_equal(sparse.sum(-1), np.minimum(np.arange(1, t + 1), 3)[None].repeat(b, 0))
 
 
+def test_scores_summed_head_by_head_equal_the_one_product():
+    """Past ``PER_HEAD_SCORES`` the heads are accumulated one at a time (bounded memory): the same scores."""
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.normal(size=(2, 3, HEADS, DIM)).astype(np.float32))
+    w = jnp.asarray(rng.normal(size=(2, 3, HEADS)).astype(np.float32))
+    keys = jnp.asarray(rng.normal(size=(2, 1, 11, DIM)).astype(np.float32))
+    whole, by_head = index_scores(q, w, keys), index_scores(q, w, keys, per_head_above=0)
+    assert np.abs(np.asarray(whole) - np.asarray(by_head)).max() <= 1e-5
+
+
 def tree_visibility(base, parents, slots):
     """The target's tree mask over every slot (``TargetModel`` with ``tree``): the committed slots below
     ``base[b]``, then block node ``j`` (at slot ``base + j``) iff it is the query or one of its ancestors."""

@@ -31,7 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dflash_jax.checkpoints.hf_target import load_target  # noqa: E402
+from dflash_jax.checkpoints.hf_target import load_target, save_target  # noqa: E402
 from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft  # noqa: E402
 from dflash_jax.engine.decoder import Decoder  # noqa: E402
 from dflash_jax.models import dsa_indexer  # noqa: E402
@@ -191,6 +191,22 @@ def test_dflash_with_a_random_draft_equals_autoregressive_decoding(decoded):
     assert chain.tokens == ar.tokens
     assert all(min(row) < 8 for row in chain.accept_lengths)  # rejected draft tokens rolled back
     assert tree.tokens == ar.tokens
+
+
+def test_save_target_round_trips_through_transformers(built, tmp_path):
+    """``save_target`` writes the indexer's tensors under ``self_attn.indexer`` (none on shared layers) and a
+    config transformers reads back to the same model, schedule included."""
+    _, hf_model, config, params = built
+    save_target(config, params, tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(reloaded).__name__ == "GlmMoeDsaForCausalLM"
+    assert reloaded.config.indexer_types == ["full", "shared", "full", "shared"]
+    assert TargetConfig.from_json(tmp_path / "config.json") == config
+    row = prompts(VOCAB)[2]
+    with torch.no_grad():
+        ref = hf_model(torch.tensor(row)[None]).logits
+        again = reloaded(torch.tensor(row)[None]).logits
+    assert float((ref - again).abs().max()) <= 1e-5
 
 
 def _config(**overrides):

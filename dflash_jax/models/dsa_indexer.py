@@ -149,15 +149,32 @@ class Indexer(nn.Module):
         return q, k[:, :, 0], w * (c.index_n_heads ** -0.5)
 
 
-def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array) -> jax.Array:
+# Above this many per-head scores (``B * T * H_I * S``) the heads are summed one at a time: a prefill chunk of 512
+# tokens against 128k slots with GLM-5's 32 indexer heads would otherwise hold 8.6 GB of float32 per row.
+PER_HEAD_SCORES = 1 << 26
+
+
+def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array, per_head_above: int = PER_HEAD_SCORES) -> jax.Array:
     """``score [B, T, S]`` of queries ``q [B, T, H_I, D_I]`` (head weights ``w [B, T, H_I]``) against ``keys [B, S,
-    D_I]`` (or the cache's ``[B, 1, S, D_I]``): ``sum_h w[h] * relu(q[h] . k * D_I^-0.5)`` in float32."""
+    D_I]`` (or the cache's ``[B, 1, S, D_I]``): ``sum_h w[h] * relu(q[h] . k * D_I^-0.5)`` in float32. The ReLU
+    sits between the dot and the head sum, so the heads cannot be folded into one product: past
+    ``per_head_above`` per-head scores they are accumulated head by head (``[B, T, S]`` live, not ``H_I`` of it)."""
     if keys.ndim == 4:
         keys = keys[:, 0]
-    d = q.shape[-1]
-    dots = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), keys.astype(jnp.float32),
-                      preferred_element_type=jnp.float32)
-    return jnp.einsum("bth,bths->bts", w.astype(jnp.float32), jax.nn.relu(dots * (d ** -0.5)))
+    b, t, h, d = q.shape
+    q, w, keys = q.astype(jnp.float32), w.astype(jnp.float32), keys.astype(jnp.float32)
+    if b * t * h * keys.shape[1] <= per_head_above:
+        dots = jnp.einsum("bthd,bsd->bths", q, keys, preferred_element_type=jnp.float32)
+        return jnp.einsum("bth,bths->bts", w, jax.nn.relu(dots * (d ** -0.5)))
+
+    def one_head(total, head):
+        qh, wh = head  # [B, T, D_I], [B, T]
+        dots = jnp.einsum("btd,bsd->bts", qh, keys, preferred_element_type=jnp.float32)
+        return total + wh[..., None] * jax.nn.relu(dots * (d ** -0.5)), None
+
+    total, _ = jax.lax.scan(one_head, jnp.zeros((b, t, keys.shape[1]), jnp.float32),
+                            (q.transpose(2, 0, 1, 3), w.transpose(2, 0, 1)))
+    return total
 
 
 def select_topk(scores: jax.Array, visible: jax.Array, topk: int) -> jax.Array:
