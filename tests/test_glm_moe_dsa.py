@@ -13,8 +13,10 @@ init (``hf_tiny.randomise``: the indexer's LayerNorm weight around 1 and its bia
 Tolerances (fp32, CPU): logits and every layer's feature within 1e-4 of transformers' (``hf_tiny.scaled_error``;
 ``hidden_states[i + 1]`` for layer i, the last after the final norm). The cached forward (latent and indexer-key
 caches, two chunks) equals the plain one within 1e-5. A prompt no longer than ``index_topk`` is attended exactly
-densely (the logits equal those with the indexer off, to the bit). Greedy decoding equals ``generate``; DFlash with
-a random draft (both caches rolled back every round) and a verified tree equal autoregressive decoding.
+densely (the logits equal those with the indexer off, to the bit). A tree-shaped verify block's accepted path has
+a chain prefill's logits (1e-5), and after ``commit_path`` both caches equal that prefill's. Greedy decoding equals
+``generate``; DFlash with a random draft (both caches rolled back every round) and a verified tree equal
+autoregressive decoding. The MTP layer is skipped at load; ``save_target`` round-trips through transformers.
 ``test_the_fixture_exercises_each_difference``: attending densely, dropping the indexer LayerNorm's bias, the ReLU
 or the shared layers' reuse moves the logits far past the tolerance.
 """
@@ -121,6 +123,54 @@ def test_the_cached_forward_equals_the_plain_one(built):
         assert scaled_error(cached[b, :len(r)], plain[b, :len(r)]) <= 1e-5
     assert list(np.asarray(second.cache.lengths)) == [len(r) for r in rows]
     assert np.asarray(second.cache.indexer[1])[0, 0, :len(rows[0])].any()
+
+
+def test_a_tree_commit_equals_a_prefill_of_the_accepted_path(built):
+    """A verify block shaped as a tree (nodes at the committed length plus their depth, each seeing the context and
+    its ancestors only): the accepted path's logits equal a chain prefill's, so every node's top-k was taken over
+    its own visible keys, and after ``commit_path`` the latent and indexer-key caches equal that prefill's."""
+    _, _, config, params = built
+    apply = jax.jit(TargetModel(config).apply)
+    prompt, rest = prompts(VOCAB, seed=3, lengths=(9, 6))
+    parents, path = [-1, 0, 0, 1, 2, 4], [0, 2, 4, 5]
+    depth = [0, 1, 1, 2, 2, 3]
+    n, base = len(parents), len(prompt)
+    ancestry = np.zeros((1, n, n), bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            ancestry[0, i, j], j = True, parents[j]
+    cache = init_cache(config, 1, 32)
+    first = apply({"params": params}, prompt[None], np.arange(base)[None], cache=cache)
+    tree = apply({"params": params}, rest[None], (base + np.array(depth))[None], cache=first.cache,
+                       tree=ancestry)
+    perm = np.array([path + [i for i in range(n) if i not in path]], np.int32)
+    committed = tree.cache.commit_path(first.cache.lengths, perm, first.cache.lengths + len(path))
+    chain = np.concatenate([prompt, rest[path]])
+    fresh = apply({"params": params}, chain[None], np.arange(len(chain))[None], cache=cache)
+    assert scaled_error(np.asarray(tree.logits)[0, path], np.asarray(fresh.logits)[0, base:]) <= 1e-5
+    used = len(chain)
+    for ours, ref in zip(committed.keys + committed.indexer, fresh.cache.keys + fresh.cache.indexer):
+        assert np.abs(np.asarray(ours)[:, :, :used] - np.asarray(ref)[:, :, :used]).max() <= 1e-5
+    assert int(committed.lengths[0]) == used and len(committed.indexer) == 2
+
+
+def test_the_mtp_layer_is_skipped(built, tmp_path):
+    """GLM's multi-token-prediction layer (``model.layers.{num_hidden_layers}.*``, an indexer included) is not
+    part of the decoder: a checkpoint that stores it loads to the same model."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    out, _, config, params = built
+    dst = shutil.copytree(out, tmp_path / "mtp")
+    with safe_open(str(out / "model.safetensors"), "np") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model.layers.4.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+    tensors["model.layers.4.self_attn.indexer.wk.weight"] = np.zeros((16, 64), np.float32)
+    save_file(tensors, str(dst / "model.safetensors"))
+    again_config, again = load_target(dst)
+    assert again_config == config
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), again, params))
 
 
 def _without_norm_bias(params):
