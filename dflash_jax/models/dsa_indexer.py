@@ -230,9 +230,10 @@ def dsa_selection(config: DSAConfig, layer: int, indexer: Indexer | None, x, q_r
         keys = cache_keys
     else:
         keys = k
-    scores = index_scores(q, w, keys)
-    selected = select_topk(scores, visible_slots(mask, scores.shape[-1]), config.index_topk)
-    return selected, cache_keys
+    visible = visible_slots(mask, keys.shape[-2])
+    if config.index_topk >= keys.shape[-2]:  # no query can see more keys than it keeps: nothing to score
+        return visible, cache_keys
+    return select_topk(index_scores(q, w, keys), visible, config.index_topk), cache_keys
 
 
 def layer_schedule_from(types: Sequence[str]) -> str:
