@@ -155,6 +155,17 @@ def test_a_tree_commit_equals_a_prefill_of_the_accepted_path(built):
     assert int(committed.lengths[0]) == used and len(committed.indexer) == 2
 
 
+def test_a_bfloat16_load_keeps_the_indexer_head_weights_in_float32(built):
+    """transformers keeps ``indexer.weights_proj`` in float32 whatever the model's dtype, and so does a bfloat16
+    load here (the indexer reads it in float32); every other weight is bfloat16."""
+    out, _, _, params = built
+    _, half = load_target(out, dtype="bfloat16")
+    kernel = half["layers_0"]["self_attn"]["indexer"]["weights_proj"]["kernel"]
+    assert kernel.dtype == jnp.float32
+    assert np.array_equal(kernel, params["layers_0"]["self_attn"]["indexer"]["weights_proj"]["kernel"])
+    assert half["layers_0"]["self_attn"]["indexer"]["wq_b"]["kernel"].dtype == jnp.bfloat16
+
+
 def test_the_mtp_layer_is_skipped(built, tmp_path):
     """GLM's multi-token-prediction layer (``model.layers.{num_hidden_layers}.*``, an indexer included) is not
     part of the decoder: a checkpoint that stores it loads to the same model."""

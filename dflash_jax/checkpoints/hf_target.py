@@ -126,11 +126,15 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
         stored = moe_key(config, key)  # MiniMax-M2's router under block_sparse_moe, Gemma 4's at the top level
         return key if stored not in source.key_to_file and key in source.key_to_file else stored
 
+    # Params the model declares float32 whatever the compute dtype stay float32 (GLM-5's indexer weights_proj,
+    # which transformers keeps in float32 too): a bfloat16 load would round what the model reads in float32.
+    float32_params = {path for path, leaf in flatten(abstract).items() if leaf.dtype == jnp.float32}
+
     def put(param_path, arr):
         # load_params runs with dtype=None (it would cast every tensor); the cast to ``dtype`` happens here, for
         # floating-point tensors only, so the uint8 MXFP4 blocks and scales stay packed.
         if dtype is not None and not np.issubdtype(arr.dtype, np.integer):
-            arr = arr.astype(dtype, copy=False)
+            arr = arr.astype(np.float32 if tuple(param_path) in float32_params else dtype, copy=False)
         return place(param_path, arr) if place is not None else jnp.asarray(arr)
 
     params = load_params(source, abstract, key_of, dtype=None, progress=progress, place=put)
