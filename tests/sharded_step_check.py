@@ -6,7 +6,12 @@ the frozen target (the draft's side of the step should only ever hold each devic
 
 Each run is one program, the step with its own gradients beside it (one compile a run, not two); the
 collectives are counted in that program (without the batch constraints it holds 94 such collectives on
-fsdp=8, measured). Each run's wall time goes to stderr (tests/section_timer.py)."""
+fsdp=8, measured). Each run's wall time goes to stderr (tests/section_timer.py).
+
+Compiles are most of this check's time: the programs are compiled with XLA's backend optimizations off
+(``jax_disable_most_optimizations``), as tests/sharded_decode_check.py does: 5m57s -> 3m40s of CPU for the whole
+check (2026-12-03), the same collectives and shardings; every comparison is between programs compiled alike
+(loss 8e-7 relative vs 2e-7 with them, gradients and params as before)."""
 
 import os
 import sys
@@ -22,6 +27,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_disable_most_optimizations", True)
 
 from dflash_jax import sharding  # noqa: E402
 from dflash_jax.models.draft import DraftModel  # noqa: E402
