@@ -382,6 +382,34 @@ def test_kimi_pairings(name):
     assert "ASSUMED" in text and "Sources" in text and "YaRN" in text and "AMPLITUDE" in text
 
 
+def test_glm51_pairing():
+    """GLM-5.1 (glm_moe_dsa): 78 MLA layers of 64 heads (q_lora 2048, 192 + 64 query dims, values of 256), an
+    indexer on every layer (32 heads of 128, top 2048), 3 dense layers then 256 experts top-8 of 2048 plus one
+    shared; the draft's shape is assumed and the file says so."""
+    p, draft, target = shapes("glm-5.1-fp8-dflash-b8")
+    t, d = p.target, p.draft
+    assert (t.model_type, t.num_hidden_layers, t.hidden_size, t.num_attention_heads, t.vocab_size,
+            t.intermediate_size, t.rms_norm_eps, t.max_position_embeddings, t.rope.theta) == (
+        "glm_moe_dsa", 78, 6144, 64, 154880, 12288, 1e-5, 202752, 1e6)
+    m = t.mla
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.cache_width,
+            m.rope_interleave) == (2048, 512, 192, 64, 256, 576, True)
+    assert m.softmax_scale == pytest.approx(256 ** -0.5)
+    assert (t.dsa.index_topk, t.dsa.index_n_heads, t.dsa.index_head_dim) == (2048, 32, 128)
+    assert t.dsa.layer_types == ("full",) * 78
+    e = t.experts
+    assert (e.num_experts, e.top_k, e.intermediate_size, e.shared_intermediate_size, e.n_group,
+            e.routed_scaling_factor) == (256, 8, 2048, 2048, 1, 2.5)
+    assert t.expert_layers == tuple(range(3, 78)) and t.eos_token_ids == (154820, 154827, 154829)
+    assert target[("layers_77", "mlp", "experts", "gate_proj")] == (256, 6144, 2048)
+    assert target[("layers_0", "self_attn", "kv_b_proj", "kernel")] == (512, 64 * (192 + 256))
+    assert p.raw["target"]["quantization_config"]["weight_block_size"] == [128, 128]
+    assert (d.hidden_size, d.num_target_layers, d.block_size) == (6144, 78, 8)
+    assert d.target_layer_ids == default_target_layer_ids(78, 6)
+    text = (CONFIG_DIR / "glm-5.1-fp8-dflash-b8.yaml").read_text()
+    assert "NO copy of its config.json" in text and "ASSUMED" in text and "Sources" in text
+
+
 def test_tiny_pairing_matches_the_test_draft():
     p = load_pairing("tiny-test")
     assert p.draft == DraftConfig.from_dict(official_config())
