@@ -25,6 +25,12 @@ def shared_file(*parts: str) -> Path:
     return path
 
 
+# For command-line subprocesses whose runs are compared only with each other (or with fixed expectations that do
+# not depend on rounding): programs compiled without XLA's backend optimizations (LLVM's passes), ~40% less
+# compile time on these tiny models, where compiling is most of a run (tests/sharded_decode_check.py measures it).
+FAST_COMPILE_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+
+
 def free_port() -> int:
     """A free localhost port (for a jax.distributed coordinator in multi-process tests)."""
     with socket.socket() as sock:

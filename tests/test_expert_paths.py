@@ -221,3 +221,32 @@ def test_router_decides_in_float32_whatever_the_compute_dtype():
     assert router and all(e.params["preferred_element_type"] == jnp.float32 for e in router)
     out = X.Experts(cfg, jnp.bfloat16).apply({"params": params}, x)
     assert out.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss_mxfp4"])
+def test_recorded_reads_follow_the_path(name):
+    """What ``infer plan`` counts per expert layer (``recording_reads``): routed reads one expert per (token, k)
+    pair; grouped over float weights at most the experts some pair uses (min(pairs, E)); dense, and grouped over
+    packed MXFP4 (every expert decoded first), all E. Traced only (eval_shape), for 1 x 3 tokens (6 pairs) and
+    2 x 7 (28 pairs) over 8 experts."""
+    cfg = CONFIGS[name]
+    params = _params(cfg)
+    packed = cfg.weight_format == "mxfp4"
+    for path in ("routed", "grouped", "dense"):
+        for shape in (FEW, MANY):
+            pairs = shape[0] * shape[1] * K
+            with X.force_expert_path(path), X.recording_reads() as reads:
+                jax.eval_shape(lambda p, x: X.Experts(cfg).apply({"params": p}, x), params,
+                               jax.ShapeDtypeStruct(shape + (H,), jnp.float32))
+            want = {"routed": pairs, "grouped": E if packed else min(pairs, E), "dense": E}[path]
+            assert [(r.experts_read, r.routed_pairs, r.num_experts) for r in reads] == [(want, pairs, E)], (path, shape)
+
+
+def test_the_selection_bias_stays_float32_in_bfloat16():
+    """MiniMax-M2's / DeepSeek-V3's / GLM-5's ``e_score_correction_bias`` only chooses experts: declared float32
+    under a bfloat16 model (a bfloat16 copy of 0.1 + 1e-3 differences flips near-tie choices)."""
+    cfg = ExpertsConfig(E, K, I, routing="sigmoid_topk", selection_bias=True, norm_topk_prob=True)
+    shapes = jax.eval_shape(lambda: X.Experts(cfg, jnp.bfloat16).init(jax.random.PRNGKey(0), jnp.zeros((1, 1, H))))
+    params = shapes["params"]
+    assert params["e_score_correction_bias"].dtype == jnp.float32
+    assert params["gate"]["kernel"].dtype == jnp.bfloat16

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli_tiny import write_tiny_pair
-from conftest import free_port
+from conftest import FAST_COMPILE_ENV, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["5,17,9,33,2,41", "7,7,8,19,23,4,4,60,11,3,27"]
@@ -32,7 +32,7 @@ def infer_cmd(target: Path, draft: Path, *extra: str) -> list[str]:
 
 def test_two_processes_decode_like_one(pair):
     target, draft = pair
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **FAST_COMPILE_ENV}
     port = free_port()
     procs = [subprocess.Popen(infer_cmd(target, draft, "--baseline", "--mesh", "data=2", "--coordinator",
                                         f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)),

@@ -15,7 +15,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from cli_tiny import write_tiny_pair
-from conftest import free_port
+from conftest import FAST_COMPILE_ENV, free_port
 from train.__main__ import main as train_main
 from train_tiny import write_text_rows
 
@@ -47,7 +47,7 @@ def fit_env(root: Path) -> dict:
     loads the train step instead of compiling it again (~8 s a run of the ~30 s). A program that compiles
     differently (another shape or sharding) has another key and is compiled as ever."""
     return {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
-            "DFLASH_JAX_COMPILE_CACHE": str(root / "xla")}
+            "DFLASH_JAX_COMPILE_CACHE": str(root / "xla"), **FAST_COMPILE_ENV}
 
 
 def run(cmd, root: Path, timeout=300, **kw):
@@ -105,7 +105,7 @@ def test_two_processes_match_one(tiny):
     on the same global batches as one process. Tolerance 1e-6 on the params (measured ~1e-7). The real tau
     of the exported draft (a decode on the run's mesh, every process taking part) equals one process's."""
     root, config, _ = tiny
-    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **FAST_COMPILE_ENV}
     out_multi, out_single = root / "multi", root / "single"
     prompts = root / "eval_prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("abc de", "ja bi gc", "hh")))

@@ -413,13 +413,15 @@ class Experts(nn.Module):
         else:  # the router accumulates in float32 whatever the compute dtype (route() says why)
             router = nn.Dense(cfg.num_experts, use_bias=cfg.router_bias, dtype=self.dtype, param_dtype=self.dtype,
                               name="router" if cfg.router_bias else "gate", dot_general=float32_dot_general)
-            bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), self.dtype) \
+            # float32 whatever the compute dtype (as transformers, vLLM and SGLang keep it): it only chooses
+            # experts, and a bfloat16 bias flips near-tie choices (load_target keeps declared float32 params)
+            bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32) \
                 if cfg.selection_bias else None
             weights, ids = route(router(routed), cfg, bias)
         weights = weights.astype(self.dtype)  # the experts' outputs are combined in the compute dtype
         experts = ExpertWeights(cfg, h, self.dtype, name="experts")()
         path = expert_path(b * t, cfg.num_experts, cfg.top_k)
-        _note_reads(path, b * t, cfg, experts.params)
+        _note_reads(path, b * t, cfg, experts)
         out = COMPUTE[path](flat, weights, ids, experts.after(flat), cfg)
         if cfg.shared_intermediate_size and not cfg.shared_expert_gate:  # DeepSeek-V3: added as it is
             out = out + MLP(cfg.shared_intermediate_size, False, self.dtype, self.dtype, name="shared_experts")(flat)
@@ -458,10 +460,20 @@ def recording_reads():
         _READS.reset(token)
 
 
-def _note_reads(path: str, num_tokens: int, cfg: ExpertsConfig, params: dict) -> None:
+def _note_reads(path: str, num_tokens: int, cfg: ExpertsConfig, experts: StackedExperts) -> None:
+    """Record what this layer's path reads: ``routed`` one expert per (token, k) pair; ``grouped`` over float
+    weights only the experts some token is routed to, at most ``min(pairs, E)`` (the grouped matmul's tiles
+    follow the groups: an expert with no rows is never read); ``dense``, and ``grouped`` over packed MXFP4
+    (``StackedExperts.all`` decodes every expert first), all ``E``."""
     reads = _READS.get()
     if reads is None:
         return
-    per_expert = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)) // cfg.num_experts
+    per_expert = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(dict(experts.params))) // cfg.num_experts
     pairs = num_tokens * cfg.top_k
-    reads.append(ExpertReads(cfg.num_experts, pairs if path == "routed" else cfg.num_experts, pairs, per_expert))
+    if path == "routed":
+        read = pairs
+    elif path == "grouped" and not experts.packed:
+        read = min(pairs, cfg.num_experts)
+    else:
+        read = cfg.num_experts
+    reads.append(ExpertReads(cfg.num_experts, read, pairs, per_expert))
