@@ -54,11 +54,11 @@ def pytest_configure(config):
 # train_step ~245, aot_compile ~150, engine_sharded ~130, fused_attention ~100, train_plan_device ~70,
 # multiprocess_infer ~65.
 # Later modules of a minute or more, by their helpers' runs on a loaded machine (2026-12-03): glm_moe_dsa ~150,
-# multiprocess_mla, deepseek_v3 ~80, dsa_sharded ~70, mla_sharded, muse_glimmer, gemma4.
+# multiprocess_mla, deepseek_v3 ~80, mla_sharded (both MLA families) ~150, muse_glimmer, gemma4.
 LONG_MODULES = ("test_train_fit.py", "test_train_step.py", "test_moe_sharded.py", "test_aot_compile.py",
                 "test_engine_sharded.py", "test_fused_attention.py", "test_glm_moe_dsa.py",
                 "test_multiprocess_mla.py", "test_deepseek_v3.py", "test_train_plan_device.py",
-                "test_multiprocess_infer.py", "test_dsa_sharded.py", "test_mla_sharded.py", "test_muse_glimmer.py",
+                "test_multiprocess_infer.py", "test_mla_sharded.py", "test_muse_glimmer.py",
                 "test_gemma4.py")
 
 
