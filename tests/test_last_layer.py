@@ -52,3 +52,23 @@ def test_the_cli_prints_one_warning_line(tmp_path, capsys):
     assert main(["--target", str(tc_dir), "--ckpt", str(draft), "--prompt", "ab", "--max-new-tokens", "4"]) == 0
     err = capsys.readouterr().err
     assert "warning: " in err and "include the target's last layer 3" in err and "Warning:" not in err
+
+
+def test_a_yarn_draft_with_an_ambiguous_amplitude_is_warned(tmp_path):
+    """z-lab's Kimi drafts: YaRN with mscale == mscale_all_dim and no attention_factor (1.0 here and in
+    transformers, 0.1 ln(64) + 1 = 1.4159 in SGLang / vLLM-Ascend): loading the directory warns, naming the field
+    and the value; a config that states attention_factor loads silently with it."""
+    import json
+
+    yarn = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 50000.0}
+    for name, rope in (("ambiguous", yarn), ("stated", {**yarn, "attention_factor": 1.4158883083359672})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(official_config(rope_parameters=rope)))
+    with pytest.warns(ServingWarning, match=r'mscale == mscale_all_dim.*"attention_factor": 1\.41588'):
+        ambiguous = DraftConfig.from_json(tmp_path / "ambiguous")
+    assert ambiguous.rope.attention_factor == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ServingWarning)
+        stated = DraftConfig.from_json(tmp_path / "stated")
+    assert stated.rope.attention_factor == pytest.approx(1.4158883083359672)

@@ -356,7 +356,25 @@ class DraftConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> "DraftConfig":
         path, cfg = read_config_json(path, "draft config")
-        return cls.from_dict(cfg, source=str(path))
+        config = cls.from_dict(cfg, source=str(path))
+        config.warn_if_yarn_amplitude_ambiguous(str(path))
+        return config
+
+    def warn_if_yarn_amplitude_ambiguous(self, source: str) -> None:
+        """A YaRN draft whose ``mscale`` equals its ``mscale_all_dim`` and gives no ``attention_factor`` (z-lab's
+        Kimi K2.5 / K2.6 drafts): transformers, and this engine, scale its cos/sin by 1.0, while SGLang and
+        vLLM-Ascend use 0.1 ln(factor) + 1 (vLLM-Ascend restores it for these drafts: 1.0 lowers acceptance).
+        Warned once per loaded directory; a config that states ``attention_factor`` is taken as it says."""
+        rope = self.rope
+        if (rope.rope_type == "yarn" and rope.factor > 1 and rope.mscale and rope.mscale == rope.mscale_all_dim
+                and rope.attention_factor == 1.0):
+            serving = 0.1 * float(np.log(rope.factor)) + 1
+            warnings.warn(
+                f"{source}: this draft's YaRN rope (factor {rope.factor:g}) sets mscale == mscale_all_dim, from "
+                f"which transformers and this engine compute an attention factor of 1.0; SGLang and vLLM-Ascend run "
+                f"such drafts (z-lab's Kimi K2.5/K2.6) at 0.1*ln(factor)+1 = {serving:.6g}. If it was trained at "
+                f"that amplitude, add \"attention_factor\": {serving!r} to its rope_scaling / rope_parameters",
+                ServingWarning, stacklevel=3)
 
     def to_official_dict(self) -> dict[str, Any]:
         """The ``config.json`` of this draft's own layout: the official DFlash one (``architectures:
