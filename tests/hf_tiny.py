@@ -189,3 +189,47 @@ def make_hf_muse_glimmer(out_dir: Path, seed: int = 0, **text):
     model = randomise(transformers.MuseGlimmerForConditionalGeneration(cfg).eval())
     model.save_pretrained(out_dir)
     return model
+
+
+def decode_with_random_draft(config, params, vocab: int, target_layer_ids, *, sampled: bool = False,
+                             **dflash_config) -> dict:
+    """A family's tiny target decoded four ways on ONE decoder (its programs compile once): autoregressively
+    (``ar``), by DFlash with a random block-8 draft (``chain``: most draft tokens are rejected, so rollbacks run
+    every round), with a verified tree of 12 nodes (``tree``: one commit of the accepted path per cache kind)
+    and, with ``sampled``, through the sampling acceptance path at top-k 1 (deterministic). Prompts of
+    :data:`PROMPT_LENGTHS`, 24 new tokens. ``dflash_config`` adds draft fields (e.g. its embedding scale)."""
+    from draft_tiny import official_config
+
+    from dflash_jax.checkpoints.official_draft import init_draft_params
+    from dflash_jax.engine.decoder import Decoder
+    from dflash_jax.engine.sampling import SamplingConfig
+    from dflash_jax.models.draft_config import DraftConfig
+
+    draft_config = DraftConfig.from_dict(official_config(
+        vocab_size=vocab, block_size=8, num_target_layers=config.num_hidden_layers,
+        dflash_config={"target_layer_ids": list(target_layer_ids), "mask_token_id": vocab - 1, **dflash_config}))
+    decoder = Decoder(config, params, draft_config, init_draft_params(draft_config, seed=1))
+    batch = [p.tolist() for p in prompts(vocab, seed=2)]
+    out = {"batch": batch, "ar": decoder.generate(batch, 24, baseline=True), "chain": decoder.generate(batch, 24)}
+    if sampled:
+        out["sampled"] = decoder.generate(batch, 24, sampling=SamplingConfig(temperature=1.0, top_k=1), seed=3)
+    decoder.tree_budget = 12
+    out["tree"] = decoder.generate(batch, 24)
+    return out
+
+
+def check_greedy_matches_generate(hf_model, decoded: dict) -> None:
+    """Our autoregressive rows of :func:`decode_with_random_draft` equal transformers' ``generate``."""
+    for prompt, row in zip(decoded["batch"], decoded["ar"].tokens):
+        assert row == hf_greedy(hf_model, prompt, 24)
+
+
+def check_lossless(decoded: dict) -> None:
+    """Every speculative way of :func:`decode_with_random_draft` gives exactly the autoregressive tokens, and the
+    random draft really was rejected (the rollback ran)."""
+    ar = decoded["ar"].tokens
+    assert decoded["chain"].tokens == ar
+    assert all(min(row) < 8 for row in decoded["chain"].accept_lengths)  # rejected draft tokens rolled back
+    assert decoded["tree"].tokens == ar
+    if "sampled" in decoded:
+        assert decoded["sampled"].tokens == ar

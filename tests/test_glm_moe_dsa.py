@@ -35,13 +35,15 @@ transformers = pytest.importorskip("transformers")
 
 from dflash_jax.checkpoints.hf_target import load_target, save_target  # noqa: E402
 from dflash_jax.checkpoints.official_draft import init_draft_params, save_draft  # noqa: E402
-from dflash_jax.engine.decoder import Decoder  # noqa: E402
 from dflash_jax.models import dsa_indexer  # noqa: E402
 from dflash_jax.models.config import ConfigError, TargetConfig  # noqa: E402
 from dflash_jax.models.draft_config import DraftConfig  # noqa: E402
 from dflash_jax.models.target import TargetModel, init_cache  # noqa: E402
 from draft_tiny import official_config  # noqa: E402
-from hf_tiny import batched_forward, hf_forward, overridden, prompts, randomise, scaled_error, worst_errors  # noqa: E402
+from hf_tiny import (  # noqa: E402
+    batched_forward, check_greedy_matches_generate, check_lossless, decode_with_random_draft, hf_forward, overridden,
+    prompts, randomise, scaled_error, worst_errors,
+)
 
 TOL = 1e-4
 VOCAB = 300
@@ -225,33 +227,16 @@ def test_the_fixture_exercises_each_difference(built, mutation, monkeypatch):
 
 @pytest.fixture(scope="module")
 def decoded(built):
-    """Decoded autoregressively, by DFlash with a random draft (chain) and with a verified tree (one decoder)."""
     _, _, config, params = built
-    draft_config = DraftConfig.from_dict(official_config(
-        vocab_size=VOCAB, block_size=8, num_target_layers=config.num_hidden_layers,
-        dflash_config={"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1}))
-    decoder = Decoder(config, params, draft_config, init_draft_params(draft_config, seed=1))
-    batch = [p.tolist() for p in prompts(VOCAB, seed=2)]
-    ar, chain = decoder.generate(batch, 24, baseline=True), decoder.generate(batch, 24)
-    decoder.tree_budget = 12  # the latent and indexer keys of the accepted nodes moved by one commit
-    return batch, ar, chain, decoder.generate(batch, 24)
+    return decode_with_random_draft(config, params, VOCAB, [0, 2])
 
 
 def test_greedy_continuation_matches_generate(built, decoded):
-    hf_model = built[1]
-    batch, ar, _, _ = decoded
-    for prompt, row in zip(batch, ar.tokens):
-        with torch.no_grad():
-            ref = hf_model.generate(torch.tensor(prompt)[None], max_new_tokens=24, do_sample=False,
-                                    min_new_tokens=24, pad_token_id=0)
-        assert row == ref[0, len(prompt):].tolist()
+    check_greedy_matches_generate(built[1], decoded)
 
 
 def test_dflash_with_a_random_draft_equals_autoregressive_decoding(decoded):
-    _, ar, chain, tree = decoded
-    assert chain.tokens == ar.tokens
-    assert all(min(row) < 8 for row in chain.accept_lengths)  # rejected draft tokens rolled back
-    assert tree.tokens == ar.tokens
+    check_lossless(decoded)  # the tree: the latent and indexer keys of the accepted nodes moved by one commit
 
 
 def test_save_target_round_trips_through_transformers(built, tmp_path):

@@ -3,10 +3,9 @@ FP8 and a Kimi K2.5 target with compressed-tensors INT4 experts load exactly as 
 
 The references are independent of ``checkpoints/quantized``: this file quantises transformers' own tiny random
 models (``DeepseekV3ForCausalLM``, ``Kimi_K25ForConditionalGeneration`` with its vision tower, saved by
-``save_pretrained``) with a vectorised NumPy quantiser and packer of its own (block amax / 448 rounded to e4m3 by
-ml_dtypes; INT4 codes shifted by 8 and packed eight to an int32 word, element ``8 g + k`` in bits ``4k .. 4k + 3``
-of word ``g``, as compressed-tensors' ``pack_to_int32`` lays them out; a hand-computed word checks the packer),
-decodes them with an index formula, and writes a float checkpoint holding that decoding. ``load_target`` of the
+``save_pretrained``) with tests/quant_tiny.py's NumPy quantiser and packer (block amax / 448 rounded to e4m3 by
+ml_dtypes; INT4 codes shifted by 8 and packed eight to an int32 word as compressed-tensors' ``pack_to_int32``
+lays them out), decodes them with its index formulas, and writes a float checkpoint holding that decoding. ``load_target`` of the
 quantised directory must equal ``load_target`` of the float one bit for bit, in float32 and in bfloat16 (one
 rounding of the float32 decoding).
 
@@ -35,13 +34,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from safetensors import safe_open  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
 from dflash_jax.checkpoints.hf_target import load_target  # noqa: E402
 from dflash_jax.checkpoints.safetensors_io import SafetensorsDir, flatten  # noqa: E402
 from hf_tiny import randomise  # noqa: E402
+from quant_tiny import fp8_decode, fp8_quantise, int4_decode, int4_pack, to_torch, write_checkpoint  # noqa: E402
 
-FP8_MAX = 448.0
 BLOCK = (16, 16)
 GROUP = 32
 TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=72, moe_intermediate_size=40, num_hidden_layers=3,
@@ -70,23 +68,6 @@ ROUTED = re.compile(r"language_model\.model\.layers\.\d+\.mlp\.experts\.\d+\.(ga
 
 # --- this file's quantisers and decoders (vectorised; not the loader's code) ----------------------------------
 
-def fp8_quantise(w: np.ndarray, block=BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """float [N, K] -> (e4m3 codes, float32 scale_inv [ceil(N/bn), ceil(K/bk)]) by block amax / 448."""
-    n, k = w.shape
-    bn, bk = block
-    gn, gk = -(-n // bn), -(-k // bk)
-    padded = np.zeros((gn * bn, gk * bk), np.float32)
-    padded[:n, :k] = w
-    amax = np.abs(padded.reshape(gn, bn, gk, bk)).max(axis=(1, 3))
-    scale = (np.maximum(amax, 1e-12) / FP8_MAX).astype(np.float32)
-    full = np.repeat(np.repeat(scale, bn, axis=0), bk, axis=1)[:n, :k]
-    codes = np.clip(w.astype(np.float32) / full, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
-    return codes, scale
-
-
-def fp8_decode(codes: np.ndarray, scale: np.ndarray, block=BLOCK) -> np.ndarray:
-    rows, cols = np.arange(codes.shape[0]) // block[0], np.arange(codes.shape[1]) // block[1]
-    return codes.astype(np.float32) * scale[rows[:, None], cols[None, :]]
 
 
 def int4_quantise(w: np.ndarray, group=GROUP) -> tuple[np.ndarray, np.ndarray]:
@@ -103,40 +84,15 @@ def int4_quantise(w: np.ndarray, group=GROUP) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def int4_pack(q: np.ndarray) -> np.ndarray:
-    """int [out, in] in [-8, 7] -> int32 [out, ceil(in / 8)]: element 8 g + k in bits 4k .. 4k + 3 of word g."""
-    out, inn = q.shape
-    words = -(-inn // 8)
-    u = np.zeros((out, words * 8), np.uint32)
-    u[:, :inn] = q.astype(np.int32) + 8
-    shifts = (4 * np.arange(8, dtype=np.uint32))[None, None, :]
-    return np.bitwise_or.reduce(u.reshape(out, words, 8) << shifts, axis=2).astype(np.uint32).view(np.int32)
-
-
-def int4_decode(q: np.ndarray, scale: np.ndarray, group=GROUP) -> np.ndarray:
-    return q.astype(np.float32) * scale.astype(np.float32)[:, np.arange(q.shape[1]) // group]
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------------
-
-def to_torch(a: np.ndarray) -> "torch.Tensor":
-    if a.dtype == ml_dtypes.float8_e4m3fn:
-        return torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
 
 
 def read(path) -> dict:
     with safe_open(str(path / "model.safetensors"), "np") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
 
-
-def write(dst, config: dict, tensors: dict):
-    dst.mkdir(parents=True)
-    (dst / "config.json").write_text(json.dumps(config))
-    save_file({k: to_torch(v) for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 def same_params(a, b):
@@ -161,13 +117,6 @@ def assert_loads_as_float(quant, floats, stored_key, stored_dtype):
     return config, params
 
 
-def test_the_int4_packer_writes_compressed_tensors_words():
-    """-8..7 in one row: word 0 = 0x76543210 (q -8..-1, lowest nibble first), word 1 = 0xFEDCBA98 (0..7); a
-    row of 11 values pads its second word with zero nibbles."""
-    words = int4_pack(np.arange(-8, 8)[None]).view(np.uint32)
-    assert words.tolist() == [[0x76543210, 0xFEDCBA98]]
-    assert int4_pack(np.full((1, 11), 7)).view(np.uint32).tolist() == [[0xFFFFFFFF, 0x00000FFF]]
-
 
 def test_deepseek_v3_fp8_loads_as_its_decoding(tmp_path):
     torch.manual_seed(0)
@@ -177,9 +126,9 @@ def test_deepseek_v3_fp8_loads_as_its_decoding(tmp_path):
     quant, floats, names = {}, {}, set()
     for key, w in read(tmp_path / "hf").items():
         if FP8_LINEAR.search(key):
-            codes, scale = fp8_quantise(w)
+            codes, scale = fp8_quantise(w, BLOCK)
             quant[key], quant[key[: -len("weight")] + "weight_scale_inv"] = codes, scale
-            floats[key] = fp8_decode(codes, scale)
+            floats[key] = fp8_decode(codes, scale, BLOCK)
             names.add(re.sub(r"experts\.\d+\.", "experts.", re.sub(r"model\.layers\.\d+\.", "", key)))
         else:
             quant[key] = floats[key] = w
@@ -190,8 +139,8 @@ def test_deepseek_v3_fp8_loads_as_its_decoding(tmp_path):
     kept = [k for k in quant if "norm" in k or ".mlp.gate." in k or "embed" in k or "lm_head" in k]
     assert all(quant[k].dtype == np.float32 for k in kept) and any("e_score_correction_bias" in k for k in kept)
     assert any("kv_a_layernorm" in k for k in kept) and any("q_a_layernorm" in k for k in kept)
-    q_dir = write(tmp_path / "fp8", {**cfg, "quantization_config": FP8_CONFIG}, quant)
-    f_dir = write(tmp_path / "float", cfg, floats)
+    q_dir = write_checkpoint(tmp_path / "fp8", {**cfg, "quantization_config": FP8_CONFIG}, quant)
+    f_dir = write_checkpoint(tmp_path / "float", cfg, floats)
     config, params = assert_loads_as_float(q_dir, f_dir, "model.layers.1.mlp.experts.3.down_proj.weight", "F8_E4M3")
     assert config.mla.q_lora_rank == 24 and config.experts.num_experts == 8
     assert np.abs(np.asarray(params["layers_2"]["mlp"]["experts"]["gate_proj"])).max() > 0
@@ -223,7 +172,7 @@ def test_kimi_k25_int4_experts_load_as_their_decoding(tmp_path):
             base = key[: -len("weight")]
             quant.update({base + "weight_packed": int4_pack(q), base + "weight_scale": scale,
                           base + "weight_shape": np.array(w.shape, np.int32)})
-            floats[key] = int4_decode(q, scale)
+            floats[key] = int4_decode(q, scale, GROUP)
             routed += 1
         else:
             quant[key] = floats[key] = w
@@ -232,8 +181,8 @@ def test_kimi_k25_int4_experts_load_as_their_decoding(tmp_path):
     assert quant[down].shape == (64, 5) and quant[down[: -len("packed")] + "scale"].shape == (64, 2)
     q_cfg = {**config_json, "quantization_config": INT4_CONFIG,
              "text_config": {**config_json["text_config"], "quantization_config": INT4_CONFIG}}
-    q_dir = write(tmp_path / "int4", q_cfg, quant)
-    f_dir = write(tmp_path / "float", config_json, floats)
+    q_dir = write_checkpoint(tmp_path / "int4", q_cfg, quant)
+    f_dir = write_checkpoint(tmp_path / "float", config_json, floats)
     config, params = assert_loads_as_float(
         q_dir, f_dir, "language_model.model.layers.2.mlp.experts.0.up_proj.weight_packed", "I32")
     assert config.model_type == "kimi_k2" and not config.tie_word_embeddings

@@ -33,16 +33,11 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from dflash_jax import sharding  # noqa: E402
 from dflash_jax.checkpoints.hf_target import load_target, save_target  # noqa: E402
-from dflash_jax.checkpoints.official_draft import init_draft_params  # noqa: E402
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, flatten  # noqa: E402
-from dflash_jax.engine.decoder import Decoder  # noqa: E402
-from dflash_jax.engine.sampling import SamplingConfig  # noqa: E402
 from dflash_jax.models.config import ConfigError, TargetConfig  # noqa: E402
-from dflash_jax.models.draft_config import DraftConfig  # noqa: E402
-from draft_tiny import official_config  # noqa: E402
 from hf_tiny import (  # noqa: E402
-    MUSE_TEXT, MUSE_VISION, MUSE_VOCAB, batched_forward, hf_forward, hf_greedy, make_hf_muse_glimmer, overridden,
-    prompts, scaled_error, worst_errors,
+    MUSE_TEXT, MUSE_VISION, MUSE_VOCAB, batched_forward, check_greedy_matches_generate, check_lossless,
+    decode_with_random_draft, hf_forward, make_hf_muse_glimmer, overridden, prompts, scaled_error, worst_errors,
 )
 
 TOL = 1e-4
@@ -121,33 +116,16 @@ def test_the_fixture_exercises_each_difference(built, mutation):
 
 @pytest.fixture(scope="module")
 def decoded(built):
-    """The target decoded autoregressively and by DFlash with a random draft (one decoder, so the target's
-    programs compile once): greedy chain, sampled with top-k 1, and a verified tree."""
     _, _, config, params = built
-    draft_config = DraftConfig.from_dict(official_config(
-        vocab_size=VOCAB, block_size=8, num_target_layers=config.num_hidden_layers,
-        dflash_config={"target_layer_ids": [0, 2], "mask_token_id": VOCAB - 1}))
-    decoder = Decoder(config, params, draft_config, init_draft_params(draft_config, seed=1))
-    batch = [p.tolist() for p in prompts(VOCAB, seed=2)]
-    ar, chain = decoder.generate(batch, 24, baseline=True), decoder.generate(batch, 24)
-    sampled = decoder.generate(batch, 24, sampling=SamplingConfig(temperature=1.0, top_k=1), seed=3)
-    decoder.tree_budget = 12  # tree verification: sliding rings and the NoPE full layer, one commit
-    return batch, ar, chain, sampled, decoder.generate(batch, 24)
+    return decode_with_random_draft(config, params, VOCAB, [0, 2], sampled=True)
 
 
 def test_greedy_continuation_matches_generate(built, decoded):
-    hf_model = built[1]
-    batch, ar = decoded[:2]
-    for prompt, row in zip(batch, ar.tokens):
-        assert row == hf_greedy(hf_model, prompt, 24)
+    check_greedy_matches_generate(built[1], decoded)
 
 
 def test_dflash_with_a_random_draft_equals_autoregressive_decoding(decoded):
-    _, ar, chain, sampled, tree = decoded
-    assert chain.tokens == ar.tokens
-    assert all(min(row) < 8 for row in chain.accept_lengths)  # rejected draft tokens rolled back
-    assert sampled.tokens == ar.tokens  # the sampled acceptance path, deterministic at top-k 1
-    assert tree.tokens == ar.tokens
+    check_lossless(decoded)  # the tree: sliding rings and the NoPE full layer; sampling at top-k 1
 
 
 def test_save_target_writes_back_what_transformers_saved(built, tmp_path):

@@ -3,13 +3,13 @@ dequantised at load for every family.
 
 References, all independent of the loader's code:
 
-- FP8 (``quant_method: "fp8"`` and compressed-tensors ``float-quantized``): weights quantised here (per-block amax / 448, e4m3 rounding by ml_dtypes) and decoded here by an index
-  formula (``w8[i, j] * s[i // bn, j // bk]`` through explicit index arrays, codes cast by ml_dtypes, not the
+- FP8 (``quant_method: "fp8"`` and compressed-tensors ``float-quantized``): weights quantised by tests/quant_tiny.py
+  (per-block amax / 448, e4m3 rounding by ml_dtypes) and decoded there by an index formula (``w8[i, j] * s[i // bn, j // bk]`` through explicit index arrays, codes cast by ml_dtypes, not the
   loader's table and pad/reshape), and by transformers' own ``Fp8Dequantize`` where the shapes are multiples
   of the block (it refuses others). Blocks of 16 x 16 on hidden-64 models, shapes that are not multiples.
-- INT4: values packed here by a per-nibble loop following compressed-tensors' ``pack_to_int32`` (value + 8,
-  element 8g + k in bits 4k..4k+3 of word g), decoded here by ``q * scale[r, c // group]``, and one word
-  decoded by hand.
+- INT4: values packed by tests/quant_tiny.py in compressed-tensors' ``pack_to_int32`` layout (value + 8,
+  element 8g + k in bits 4k..4k+3 of word g; its words checked against hand-computed ones), decoded there by
+  ``q * scale[r, c // group]``, and one word decoded by hand.
 - End to end: tiny transformers models (qwen3 dense, qwen3_moe and minimax_m2 with per-expert tensors) saved by
   ``save_pretrained`` and quantised here; ``load_target`` of the quantised directory equals, bit for bit, the
   params ``load_target`` reads from a float checkpoint holding this file's own decoding of the same weights,
@@ -34,8 +34,10 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file  # noqa: E402
 
 from hf_tiny import make_hf_target, prompts, randomise, worst_errors  # noqa: E402
+from quant_tiny import (  # noqa: E402
+    fp8_decode, fp8_quantise, int4_decode, int4_pack, to_torch, write_checkpoint,
+)
 
-FP8_MAX = 448.0
 BLOCK = (16, 16)
 # Linear weights of the decoder layers (not the router ``mlp.gate``, norms, embeddings or lm_head).
 LINEAR = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj|"
@@ -44,37 +46,7 @@ LINEAR = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)
 
 # --- independent references ------------------------------------------------------------------------------
 
-def quantise_fp8(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
-    """float [N, K] -> (e4m3 codes as ml_dtypes, float32 scale_inv [ceil(N/bn), ceil(K/bk)])."""
-    n, k = w.shape
-    bn, bk = block
-    gn, gk = -(-n // bn), -(-k // bk)
-    scale = np.zeros((gn, gk), np.float32)
-    codes = np.zeros((n, k), ml_dtypes.float8_e4m3fn)
-    for a in range(gn):
-        for b in range(gk):
-            tile = w[a * bn:(a + 1) * bn, b * bk:(b + 1) * bk].astype(np.float32)
-            s = np.float32(max(float(np.abs(tile).max()), 1e-12) / FP8_MAX)
-            scale[a, b] = s
-            codes[a * bn:(a + 1) * bn, b * bk:(b + 1) * bk] = np.clip(tile / s, -FP8_MAX, FP8_MAX).astype(
-                ml_dtypes.float8_e4m3fn)
-    return codes, scale
 
-
-def decode_fp8(codes: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
-    n, k = codes.shape[-2:]
-    rows, cols = np.arange(n) // block[0], np.arange(k) // block[1]
-    return codes.astype(np.float32) * scale[..., rows[:, None], cols[None, :]]
-
-
-def pack_int4(q: np.ndarray) -> np.ndarray:
-    """int [out, in] in [-8, 7] -> int32 [out, ceil(in / 8)], compressed-tensors' order."""
-    out, inn = q.shape
-    words = np.zeros((out, -(-inn // 8)), np.uint32)
-    for r in range(out):
-        for c in range(inn):
-            words[r, c // 8] |= np.uint32(int(q[r, c]) + 8) << np.uint32(4 * (c % 8))
-    return words.view(np.int32)
 
 
 def quantise_int4(w: np.ndarray, group: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -85,23 +57,7 @@ def quantise_int4(w: np.ndarray, group: int, rng) -> tuple[np.ndarray, np.ndarra
     return q, scale
 
 
-def decode_int4(q: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
-    return q.astype(np.float32) * scale[:, np.arange(q.shape[1]) // group]
 
-
-def to_torch(a: np.ndarray) -> "torch.Tensor":
-    if a.dtype == ml_dtypes.float8_e4m3fn:
-        return torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
-
-
-def write(dst, config: dict, tensors: dict):
-    dst.mkdir(parents=True)
-    (dst / "config.json").write_text(json.dumps(config))
-    save_file({k: to_torch(v) for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 def stored(path) -> dict:
@@ -153,14 +109,14 @@ def fp8_pair(src, root, name, block=BLOCK, quantise=LINEAR.search, **qc):
     quant, floats = {}, {}
     for key, w in t.items():
         if quantise(key):
-            codes, scale = quantise_fp8(w, block)
+            codes, scale = fp8_quantise(w, block)
             quant[key], quant[key[: -len(".weight")] + ".weight_scale_inv"] = codes, scale
-            floats[key] = decode_fp8(codes, scale, block)
+            floats[key] = fp8_decode(codes, scale, block)
         else:
             quant[key] = floats[key] = w
     cfg = config_of(src)
-    return (write(root / name, {**cfg, "quantization_config": fp8_config(block, **qc)}, quant),
-            write(root / f"{name}_float", cfg, floats))
+    return (write_checkpoint(root / name, {**cfg, "quantization_config": fp8_config(block, **qc)}, quant),
+            write_checkpoint(root / f"{name}_float", cfg, floats))
 
 
 # --- FP8 ---------------------------------------------------------------------------------------------------
@@ -174,15 +130,15 @@ def test_fp8_tensors_decode_like_the_index_formula_and_transformers(tmp_path):
     shapes = {"a.weight": (64, 48), "b.weight": (40, 70), "c.weight": (5, 3), "d.weight": (128, 128)}
     tensors, want = {}, {}
     for key, shape in shapes.items():
-        codes, scale = quantise_fp8(rng.standard_normal(shape).astype(np.float32) * 3, BLOCK)
+        codes, scale = fp8_quantise(rng.standard_normal(shape).astype(np.float32) * 3, BLOCK)
         tensors[key], tensors[key.replace(".weight", ".weight_scale_inv")] = codes, scale
-        want[key] = decode_fp8(codes, scale, BLOCK)
-    stack = [quantise_fp8(rng.standard_normal((48, 32)).astype(np.float32), BLOCK) for _ in range(3)]
+        want[key] = fp8_decode(codes, scale, BLOCK)
+    stack = [fp8_quantise(rng.standard_normal((48, 32)).astype(np.float32), BLOCK) for _ in range(3)]
     tensors["e.gate_up_proj"] = np.stack([c for c, _ in stack])
     tensors["e.gate_up_proj_scale_inv"] = np.stack([s for _, s in stack])
-    want["e.gate_up_proj"] = np.stack([decode_fp8(c, s, BLOCK) for c, s in stack])
+    want["e.gate_up_proj"] = np.stack([fp8_decode(c, s, BLOCK) for c, s in stack])
     tensors["norm.weight"] = want["norm.weight"] = rng.standard_normal(64).astype(np.float32)
-    src = SafetensorsDir(write(tmp_path / "t", {"quantization_config": fp8_config()}, tensors))
+    src = SafetensorsDir(write_checkpoint(tmp_path / "t", {"quantization_config": fp8_config()}, tensors))
     for key, ref in want.items():
         got = src.get(key)
         assert got.dtype == np.float32 and src.dtype_name(key) == "F32" and src.shape(key) == ref.shape
@@ -198,8 +154,8 @@ def test_fp8_tensors_decode_like_the_index_formula_and_transformers(tmp_path):
     assert src.dtype_name("b.weight") == "BF16"
     np.testing.assert_array_equal(src.get("b.weight"), want["b.weight"].astype(ml_dtypes.bfloat16))
     # per-tensor scales (weight_block_size null)
-    codes, _ = quantise_fp8(rng.standard_normal((8, 8)).astype(np.float32), (8, 8))
-    one = SafetensorsDir(write(tmp_path / "one", {"quantization_config": fp8_config(None)},
+    codes, _ = fp8_quantise(rng.standard_normal((8, 8)).astype(np.float32), (8, 8))
+    one = SafetensorsDir(write_checkpoint(tmp_path / "one", {"quantization_config": fp8_config(None)},
                                {"x.weight": codes, "x.weight_scale_inv": np.array(0.5, np.float32)}))
     np.testing.assert_array_equal(one.get("x.weight"), codes.astype(np.float32) * 0.5)
 
@@ -216,17 +172,17 @@ def test_compressed_tensors_fp8_decodes_like_the_index_formula(tmp_path, strateg
     rng = np.random.default_rng(5)
     tensors, want = {}, {}
     for key, (n, k) in {"a.weight": (48, 64), "b.weight": (40, 70)}.items():
-        codes, scale = quantise_fp8(rng.standard_normal((n, k)).astype(np.float32), block(n, k))
+        codes, scale = fp8_quantise(rng.standard_normal((n, k)).astype(np.float32), block(n, k))
         if strategy == "tensor":
             scale = scale.reshape(1)
         tensors[key], tensors[key + "_scale"] = codes, scale.astype(ml_dtypes.bfloat16)
-        want[key] = decode_fp8(codes, scale.astype(ml_dtypes.bfloat16).astype(np.float32).reshape(
+        want[key] = fp8_decode(codes, scale.astype(ml_dtypes.bfloat16).astype(np.float32).reshape(
             (1, 1) if strategy == "tensor" else scale.shape), block(n, k))
-    src = SafetensorsDir(write(tmp_path / "t", {"quantization_config": ct_fp8_config(strategy, **weights)}, tensors))
+    src = SafetensorsDir(write_checkpoint(tmp_path / "t", {"quantization_config": ct_fp8_config(strategy, **weights)}, tensors))
     for key, ref in want.items():
         np.testing.assert_array_equal(src.get(key), ref, err_msg=key)
     if strategy == "channel":  # a scale grid of another strategy is refused, naming the tensor
-        bad = write(tmp_path / "bad", {"quantization_config": ct_fp8_config(strategy, **weights)},
+        bad = write_checkpoint(tmp_path / "bad", {"quantization_config": ct_fp8_config(strategy, **weights)},
                     {**tensors, "a.weight_scale": np.ones((48, 2), np.float32)})
         with pytest.raises(CheckpointError, match=r"bad/model\.safetensors: tensor 'a\.weight_scale' has shape "
                                                   r"\[48, 2\], expected \[48, 1\]: the scale grid of 'a\.weight'"):
@@ -240,7 +196,7 @@ def test_ue8m0_scales_in_every_container(tmp_path):
     codes = rng.standard_normal((20, 36)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
     exps = rng.integers(120, 135, size=(2, 3)).astype(np.uint8)  # ceil(20/16) x ceil(36/16)
     powers = np.ldexp(1.0, exps.astype(np.int32) - 127).astype(np.float32)
-    want = decode_fp8(codes, powers, BLOCK)
+    want = fp8_decode(codes, powers, BLOCK)
     ue8m0 = {"quantization_config": fp8_config(scale_fmt="ue8m0")}
     for name, scale in [("f32", to_torch(powers)), ("e8m0", torch.from_numpy(exps.copy()).view(torch.float8_e8m0fnu)),
                         ("u8", torch.from_numpy(exps.copy()))]:
@@ -255,7 +211,7 @@ def test_ue8m0_scales_in_every_container(tmp_path):
         SafetensorsDir(tmp_path / "u8").get("m.weight")
     bad = exps.copy()
     bad[1, 2] = 0xFF
-    d = write(tmp_path / "nan", ue8m0, {"m.weight": codes})
+    d = write_checkpoint(tmp_path / "nan", ue8m0, {"m.weight": codes})
     save_file({"m.weight": to_torch(codes), "m.weight_scale_inv": torch.from_numpy(bad)}, str(d / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"tensor 'm\.weight_scale_inv' holds the E8M0 NaN code"):
         SafetensorsDir(d).get("m.weight")
@@ -317,6 +273,14 @@ def test_fp8_per_expert_tensors_stack_like_float_ones(tiny, family):
 
 # --- INT4 --------------------------------------------------------------------------------------------------
 
+def test_the_int4_packer_writes_compressed_tensors_words():
+    """-8..7 in one row: word 0 = 0x76543210 (q -8..-1, lowest nibble first), word 1 = 0xFEDCBA98 (0..7); a
+    row of 11 values pads its second word with zero nibbles."""
+    words = int4_pack(np.arange(-8, 8)[None]).view(np.uint32)
+    assert words.tolist() == [[0x76543210, 0xFEDCBA98]]
+    assert int4_pack(np.full((1, 11), 7)).view(np.uint32).tolist() == [[0xFFFFFFFF, 0x00000FFF]]
+
+
 def test_int4_word_layout_by_hand(tmp_path):
     """One row of 16 values: word 0 = 0x76543210 holds q = -8..-1 (lowest nibble first), word 1 = 0xFEDCBA98
     (negative as int32) holds 0..7; scale 0.5 for the first group of 8 (group_size 8), 2.0 for the second."""
@@ -324,13 +288,13 @@ def test_int4_word_layout_by_hand(tmp_path):
     assert words[0, 1] < 0
     cfg = json.loads(json.dumps(INT4_CONFIG))
     cfg["config_groups"]["group_0"]["weights"]["group_size"] = 8
-    d = write(tmp_path / "w", {"quantization_config": cfg}, {
+    d = write_checkpoint(tmp_path / "w", {"quantization_config": cfg}, {
         "m.weight_packed": words, "m.weight_scale": np.array([[0.5, 2.0]], np.float32),
         "m.weight_shape": np.array([1, 16], np.int64)})
     src = SafetensorsDir(d)
     assert "m.weight" in src.keys() and src.shape("m.weight") == (1, 16) and src.dtype_name("m.weight") == "F32"
     np.testing.assert_array_equal(src.get("m.weight")[0], [0.5 * v for v in range(-8, 0)] + [2.0 * v for v in range(8)])
-    np.testing.assert_array_equal(pack_int4(np.arange(-8, 8)[None]), words)  # the test's packer agrees
+    np.testing.assert_array_equal(int4_pack(np.arange(-8, 8)[None]), words)  # the test's packer agrees
 
 
 def test_int4_tensors_decode_like_the_reference(tmp_path):
@@ -341,11 +305,11 @@ def test_int4_tensors_decode_like_the_reference(tmp_path):
     for key, shape in {"a.weight": (48, 64), "b.weight": (5, 70)}.items():
         q, scale = quantise_int4(np.zeros(shape), 32, rng)
         scale = scale.astype(ml_dtypes.bfloat16)
-        tensors.update({key + "_packed": pack_int4(q), key + "_scale": scale, key + "_shape": np.array(shape)})
-        want[key] = decode_int4(q, scale.astype(np.float32), 32)
+        tensors.update({key + "_packed": int4_pack(q), key + "_scale": scale, key + "_shape": np.array(shape)})
+        want[key] = int4_decode(q, scale.astype(np.float32), 32)
         s = torch.from_numpy(scale.view(np.uint16).copy()).view(torch.bfloat16)
         ref_bf16[key] = (torch.from_numpy(q).to(torch.bfloat16) * s.repeat_interleave(32, dim=1)[:, : shape[1]])
-    src = SafetensorsDir(write(tmp_path / "t", {"quantization_config": INT4_CONFIG}, tensors))
+    src = SafetensorsDir(write_checkpoint(tmp_path / "t", {"quantization_config": INT4_CONFIG}, tensors))
     assert src.stored_shape("b.weight_packed") == (5, 9)
     for key in want:
         np.testing.assert_array_equal(src.get(key), want[key], err_msg=key)
@@ -365,14 +329,14 @@ def test_int4_experts_with_float_attention_load_as_their_decoding(tiny):
         if ".mlp.experts." in key:
             q, scale = quantise_int4(w, 32, rng)
             base = key  # "<m>.weight"
-            quant.update({base + "_packed": pack_int4(q), base + "_scale": scale,
+            quant.update({base + "_packed": int4_pack(q), base + "_scale": scale,
                           base + "_shape": np.array(w.shape, np.int64)})
-            floats[key] = decode_int4(q, scale, 32)
+            floats[key] = int4_decode(q, scale, 32)
         else:
             quant[key] = floats[key] = w
     cfg = config_of(root / "qwen3_moe")
-    q_dir = write(root / "moe_int4", {**cfg, "quantization_config": INT4_CONFIG}, quant)
-    f_dir = write(root / "moe_int4_float", cfg, floats)
+    q_dir = write_checkpoint(root / "moe_int4", {**cfg, "quantization_config": INT4_CONFIG}, quant)
+    f_dir = write_checkpoint(root / "moe_int4_float", cfg, floats)
     _, params = load_target(q_dir)
     _, want = load_target(f_dir)
     same_params(params, want)
@@ -407,7 +371,7 @@ def test_int4_experts_with_float_attention_load_as_their_decoding(tiny):
 def test_unsupported_quantization_configs_name_config_json(tiny, tmp_path, qc, message):
     root = tiny
     src = root / "qwen3"
-    dst = write(tmp_path / "q", {**config_of(src), "quantization_config": qc}, stored(src))
+    dst = write_checkpoint(tmp_path / "q", {**config_of(src), "quantization_config": qc}, stored(src))
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(dst))}/config\.json: quantization_config.*{message}"):
         load_target(dst)
 
@@ -422,7 +386,7 @@ def test_bad_quantized_tensors_name_file_and_key(tiny, qwen3_fp8, tmp_path):
     def broken(name, drop=(), replace=None, config=None):
         t = {k: v for k, v in quant.items() if k not in drop}
         t.update(replace or {})
-        return write(tmp_path / name, config or cfg, t)
+        return write_checkpoint(tmp_path / name, config or cfg, t)
 
     dst = broken("noscale", drop=[scale])
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(dst))}/model\.safetensors: FP8 tensor "
@@ -444,7 +408,7 @@ def test_bad_quantized_tensors_name_file_and_key(tiny, qwen3_fp8, tmp_path):
     # INT4: a missing scale, a wrong grid, a zero point, a packed width that does not fit weight_shape
     rng = np.random.default_rng(4)
     q, s = quantise_int4(np.zeros((64, 72)), 32, rng)
-    packed = {key + "_packed": pack_int4(q), key + "_scale": s, key + "_shape": np.array([64, 72])}
+    packed = {key + "_packed": int4_pack(q), key + "_scale": s, key + "_shape": np.array([64, 72])}
     floats = {k: v.astype(np.float32) if v.dtype == ml_dtypes.float8_e4m3fn else v for k, v in quant.items()
               if not k.endswith("_scale_inv")}
     base = {k: v for k, v in floats.items() if k != key}
@@ -459,12 +423,12 @@ def test_bad_quantized_tensors_name_file_and_key(tiny, qwen3_fp8, tmp_path):
         ("i_shape", {**packed, key + "_shape": np.array([64, 80])},
          rf"tensor '{re.escape(key)}' \(stored packed as '{re.escape(key)}_packed', its shape in "
          rf"'{re.escape(key)}_shape'\) has shape \[64, 80\], expected \[64, 72\]"),
-        ("i_width", {**packed, key + "_packed": pack_int4(q[:, :64])},
+        ("i_width", {**packed, key + "_packed": int4_pack(q[:, :64])},
          rf"tensor '{re.escape(key)}_packed' has shape \[64, 8\], expected \[64, 9\]"),
         ("i_noshape", {k: v for k, v in packed.items() if not k.endswith("_shape")},
          rf"packed INT4 tensor '{re.escape(key)}_packed' has no '{re.escape(key)}_shape'"),
     ]
     for name, extra, message in cases:
-        dst = write(tmp_path / name, icfg, {**base, **extra})
+        dst = write_checkpoint(tmp_path / name, icfg, {**base, **extra})
         with pytest.raises(CheckpointError, match=rf"{re.escape(str(dst))}/model\.safetensors: {message}"):
             load_target(dst)

@@ -8,7 +8,7 @@ import pytest
 
 from dflash_jax.errors import UserError
 
-from dflash_jax.evaluation.speed import plant_errors
+from dflash_jax.evaluation.speed import plant_errors, run_e2e
 from infer.speed import main
 
 TAU, BLOCK, NEW, BATCH = 3, 4, 12, 2
@@ -49,6 +49,7 @@ def test_oracle_accepts_exactly_tau_and_outputs_match(report):
         assert sum(row) >= NEW - 1 > sum(row[:-1])
     assert oracle["identical_to_ar"] and oracle["mismatch"] is None
     assert report["e2e"]["draft"]["identical_to_ar"]
+    assert all(d["repeats_identical"] and d["repeat_mismatch"] is None for d in report["e2e"].values())
     assert report["e2e"]["autoregressive"]["tokens_per_round"] == 1.0
 
 
@@ -91,6 +92,20 @@ def test_plant_errors_every_tau_positions():
     assert np.flatnonzero(err[0]).tolist() == [4, 6, 8]  # first anchor at position 2
     _, none = plant_errors([[5, 6]], [[7, 8]], tau=4, block=4, width=10)
     assert not none.any()  # tau == block: every round is full
+
+
+def test_a_repeated_run_with_other_tokens_is_recorded_not_fatal():
+    """What an H200 did (bfloat16, random weights): the same program's second run gave other tokens. The timed
+    runs are kept and the first difference from the warm-up run is recorded, per mode."""
+    from types import SimpleNamespace
+
+    outputs = {"steady": iter([[[1, 2, 3]]] * 3), "unsteady": iter([[[1, 2, 3]], [[1, 2, 3]], [[1, 9, 3]]])}
+    runs = {name: (lambda name=name: SimpleNamespace(tokens=next(outputs[name]), decode_s=1.0, compile_s=0.0))
+            for name in outputs}
+    e2e = run_e2e(runs, repeats=2)
+    assert e2e["steady"].repeat_mismatch is None and len(e2e["steady"].results) == 2
+    assert e2e["unsteady"].repeat_mismatch == "row 0 differs from token 1 on (3 vs 3 tokens)"
+    assert len(e2e["unsteady"].results) == 2
 
 
 @pytest.mark.parametrize("argv", [
@@ -218,3 +233,22 @@ def test_large_leaves_are_drawn_slice_by_slice(monkeypatch):
     small = init._normal_on_device(init.jax.random.PRNGKey(0), (10, 10), jnp.float32, jnp.float32(1.0))
     np.testing.assert_array_equal(small, init._normal(init.jax.random.PRNGKey(0), (10, 10), jnp.float32,
                                                       jnp.float32(1.0)))
+
+
+def test_packed_expert_codes_of_a_big_model_are_drawn_on_the_device(monkeypatch):
+    """Past HOST_INIT_LIMIT, MXFP4 codes are uniform random bytes drawn by jax.random (NumPy drew them as int64 on
+    the host: 8 bytes per code for gigabytes of gpt-oss-120b experts); scales stay 122 (2^-5)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.models import init
+
+    monkeypatch.setattr(init, "HOST_INIT_LIMIT", 0)
+    abstract = {"down_proj_blocks": jax.ShapeDtypeStruct((8, 64, 4, 16), jnp.uint8),
+                "down_proj_scales": jax.ShapeDtypeStruct((8, 64, 4), jnp.uint8)}
+    params = init.random_params(abstract)
+    codes = np.asarray(params["down_proj_blocks"])
+    assert codes.dtype == np.uint8 and codes.shape == (8, 64, 4, 16)
+    counts = np.bincount(codes.ravel(), minlength=256)
+    assert counts.min() > 80 and counts.max() < 180  # 32,768 bytes: 128 per value expected
+    np.testing.assert_array_equal(np.asarray(params["down_proj_scales"]), 122)

@@ -109,8 +109,8 @@ def test_anchor_logits_are_never_computed():
 
 
 def test_sharded_and_accumulated_steps_equal_one_device():
-    """8 fake CPU devices (data=2, fsdp=2, tensor=2; fsdp=8) and 4 accumulation micro-steps against 1 device,
-    for the cross-entropy and for the KL / ce+kl / D-PACE losses (ce+kl on a DFlash2 draft);
+    """8 fake CPU devices (data=2, fsdp=2, tensor=2; fsdp=8), alone and with 4 accumulation micro-steps, against
+    1 device, for the cross-entropy and for ce+kl with D-PACE's weights on a DFlash2 draft;
     on the 8-device meshes no collective outside the frozen target moves activations of the whole batch (on
     an fsdp mesh XLA otherwise lays the draft's activations out like the fsdp-split weights, computes every
     row on every device and all-reduces the chunk logits: 61 such collectives on fsdp=8 without the
@@ -123,16 +123,15 @@ def test_sharded_and_accumulated_steps_equal_one_device():
     assert out["devices"] == [1, 8]
     assert any("tensor" in s for s in out["sharded_specs"]) and any("fsdp" in s for s in out["sharded_specs"])
     assert out["full_batch_collectives"] == {"data=2,fsdp=2,tensor=2": [], "fsdp=8": []}, out
-    for name in ("accum4", "devices8", "devices8_accum4", "fsdp8"):
+    for name in ("devices8", "devices8_accum4", "fsdp8"):
         assert out[name]["loss"] <= 1e-6 * abs(out["loss"]), (name, out)
         assert out[name]["grads"] <= 1e-6, (name, out)
         assert out[name]["params"] <= 1e-5, (name, out)
-    # The KL and D-PACE losses: loss 1e-6 relative, params 1e-5 absolute; gradients 1e-5 of the largest one.
+    # The ce+kl / D-PACE loss: loss 1e-6 relative, params 1e-5 absolute; gradients 1e-5 of the largest one.
     # D-PACE's weights are not normalised (up to B-1 per position over a block count), so the DFlash2 run's
     # gradients reach ~6 where the cross-entropy's stay below 1; measured: 1.4e-5 absolute at a scale of 6.0,
     # every leaf within 2.5e-6 of its own largest entry.
-    for name in ("ce+kl,dpace/accum4", "ce+kl,dpace/devices8", "kl/devices8_accum4"):
-        assert out[name]["loss"] <= 1e-6, (name, out)
-        assert out[name]["grads"] <= 1e-5 * max(1.0, out[name]["grad_scale"]), (name, out)
-        assert out[name]["params"] <= 1e-5, (name, out)
-    assert out["kl_loss_differs_from_ce"] > 1e-3  # the KL runs really are another loss
+    mixed = out["ce+kl,dpace/devices8_accum4"]
+    assert mixed["loss"] <= 1e-6, out
+    assert mixed["grads"] <= 1e-5 * max(1.0, mixed["grad_scale"]), out
+    assert mixed["params"] <= 1e-5, out

@@ -79,6 +79,10 @@ def check_attention_kernel(name: str) -> str:
     backend = current_platform()
     if name == "cudnn" and backend != "gpu":
         raise UserError(f"attention kernel 'cudnn' needs a CUDA GPU; this process runs on {backend}")
+    if name == "pallas" and backend == "gpu":
+        # Off a TPU the kernel runs in Pallas's TPU interpreter (how the CPU tests check it): on a GPU that is
+        # slow and needs a CPU device beside it (seen on an H200: "io_callback failed to find a local CPU device").
+        raise UserError("attention kernel 'pallas' is the TPU kernel; on a GPU choose cudnn, xla or auto")
     return name
 
 

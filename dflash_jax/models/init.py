@@ -77,8 +77,13 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
         name = getattr(path[-1], "key", "")
         shape, dtype = tuple(leaf.shape), leaf.dtype
         if jnp.issubdtype(dtype, jnp.integer):  # MXFP4 experts (models/mxfp4): random codes, scale 2^-5
-            codes = rng.integers(0, 256, shape) if name.endswith("_blocks") else np.full(shape, 122)
-            out.append(jnp.asarray(codes, dtype))
+            if not name.endswith("_blocks"):
+                out.append(jnp.full(shape, 122, dtype))
+            elif on_host:
+                out.append(jnp.asarray(rng.integers(0, 256, shape), dtype))
+            else:  # gigabytes of codes (gpt-oss-120b): NumPy would draw them as int64 on the host, 8 bytes each
+                out.append(jax.jit(lambda k, shape=shape, dtype=dtype: jax.random.bits(k, shape, dtype))(
+                    jax.random.fold_in(key, i)))
         elif name in ("layer_scalar", "scale", "per_expert_scale"):
             out.append(jnp.ones(shape, dtype))
         elif name == "weight" and len(shape) == 1:
