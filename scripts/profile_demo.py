@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     times = measure(variants, args.repeats, reference)
     med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
     low = {k: min(v) * 1e6 for k, v in times.items()}
-    rd, ar = med["DFlash round"], med["AR step (baseline)"]
+    rd = med["DFlash round"]
     print(f"JAX {machine['jax']} on {machine['backend']} ({machine['cpu']}, {machine['cpu_count']} CPUs), float32; "
           f"load average {machine['load_avg_1m']} at start, {load_average()} at end; tau {recorded.tau:.2f}, "
           f"{recorded.rounds[0]} rounds; medians of {args.repeats} interleaved runs")

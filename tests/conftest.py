@@ -9,7 +9,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Every program of the suite (in these processes and in the subprocesses they start, which inherit the
 # environment) compiles without XLA's backend optimizations (LLVM's passes): on these tiny models compiling is
-# most of a test's time, and the suite took 45 instead of 60 CPU-minutes (2026-12-03, 2-core x86_64). The tests
+# most of a test's time (one A/B on 2026-12-03, 2-core x86_64: 45 instead of 60 CPU-minutes). The tests
 # compare results with references at stated tolerances; none depends on how fast the code runs. The device
 # compilers' checks (tests/test_aot_compile.py and the plans) read XLA:GPU / TPU programs, which the flag also
 # leaves unoptimised; their assertions (loops per round, fused kernels, bytes read) hold either way.

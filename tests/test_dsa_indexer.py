@@ -15,7 +15,6 @@ visible keys; the indexer-key cache after a tree commit equals a chain write of 
 import numpy as np
 import pytest
 
-import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.cache import KVCache
@@ -239,6 +238,7 @@ def test_a_tree_commit_moves_indexer_keys_like_the_latent():
     b, n, slots, d = 2, 6, 16, DIM
     parents = [-1, 0, 0, 1, 2, 4]
     depth = [0, 1, 1, 2, 2, 3]
+    assert depth == [0 if p < 0 else depth[p] + 1 for p in parents]  # the tree this test builds
     base = jnp.asarray([3, 5], jnp.int32)
     keys_at = lambda pos: jnp.asarray(  # noqa: E731  a key that depends only on (token, position)
         np.sin(np.arange(d)[None, None] * 0.1 + np.asarray(pos)[..., None] * 0.37 + tokens[..., None]),

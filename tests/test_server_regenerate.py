@@ -34,7 +34,6 @@ import pytest
 
 from cli_tiny import CHARS, write_tokenizer
 from dflash_jax.data import DataError, read_examples, regenerate
-from dflash_jax.engine.sampling import SamplingConfig
 from infer.run import load_decoder
 from train.__main__ import main
 

@@ -62,8 +62,6 @@ def test_mismatch_rules():
 def pair(tmp_path_factory):
     """The tiny target (character tokenizer, the thinking template) and a draft exported by the trainer's
     export with the record of thinking-off data."""
-    import jax.numpy as jnp
-
     from dflash_jax.checkpoints.loading import load_draft_any
     from dflash_jax.training.trainer import export_draft
 

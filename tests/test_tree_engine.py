@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.engine.decoder import Decoder
 from dflash_jax.engine.generate import DecodeSettings, generate
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
 from dflash_jax.errors import UserError
