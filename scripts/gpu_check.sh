@@ -59,7 +59,7 @@ ALL_SHAPES=(
   "qwen3.5-35b-a3b 110 --preset qwen3.5-35b-a3b --target-layers 8"
 )
 if [ -n "${DRY_RUN:-}" ]; then
-  ALL_SHAPES=("small 120 --preset small" "qwen3.5-4b-cut 120 --preset qwen3.5-4b --target-layers 2")
+  ALL_SHAPES=("small 120 --preset small" "qwen3.5-4b-cut 120 --preset qwen3.5-4b --target-layers 4")
 fi
 SHAPES=()
 for shape in "${ALL_SHAPES[@]}"; do
