@@ -16,7 +16,9 @@ the spread. A decode of 200 tokens lasts tens of milliseconds on a CPU, so pairi
 The speedup is tau / (round cost): the round cost is the time of a DFlash round (draft forward, verify of the
 block, accept and commit) in autoregressive steps, both measured in this run (decode time / rounds). On a CPU
 a round of block 8 costs about 3.4 AR steps, which caps the speedup well below tau; where a round costs
-about one AR step (a GPU at batch 1, memory-bound), the same tau gives about tau x.
+about one AR step (a large target at batch 1 on a GPU: verifying a block reads the same weights as one step),
+the same tau gives about tau x. This 260K-parameter pair is too small for that even on a GPU: on an H200 its
+rounds were launch-bound, 2.6 AR steps each (docs/speed.md, "The first H200 run").
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ def format_figures(f: dict, tau: float, decoded: int, verify: str) -> str:
         f"{decoded} tokens ({decoded / f['dflash_s']:.0f} vs {decoded / f['baseline_s']:.0f} tok/s)",
         f"why     : a DFlash round (draft + verify of {verify}) costs {f['round_cost']:.2f} AR steps here: "
         f"tau {tau:.2f} / {f['round_cost']:.2f} = {tau / f['round_cost']:.2f}x;",
-        f"          where a round costs about one AR step (a GPU at batch 1) the same tau gives ~{tau:.1f}x",
+        f"          where a round costs about one AR step (a large target at batch 1 on a GPU) the same tau gives "
+        f"~{tau:.1f}x",
     ])
 
 

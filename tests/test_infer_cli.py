@@ -96,7 +96,7 @@ def test_demo_with_the_shipped_pair_runs_offline(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "identical to the baseline: True" in proc.stdout
     assert "tau     :" in proc.stdout and "median of 2 interleaved pairs" in proc.stdout
-    assert "AR steps here" in proc.stdout and "a GPU at batch 1" in proc.stdout
+    assert "AR steps here" in proc.stdout and "a large target at batch 1 on a GPU" in proc.stdout
 
 
 @pytest.mark.parametrize("argv, message", [
