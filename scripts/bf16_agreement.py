@@ -32,6 +32,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `infer` is a top-level package of the repo
 
+from dflash_jax.startup import start_jax  # noqa: E402
+
+start_jax()  # JAX without the CUDA plugin's start-up noise where the aot extra is installed
+
 from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET  # noqa: E402
 from dflash_jax.engine.sampling import SamplingConfig  # noqa: E402
 from dflash_jax.errors import UserError  # noqa: E402

@@ -43,6 +43,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_jax.startup import start_jax  # noqa: E402
+
+start_jax()  # JAX without the CUDA plugin's start-up noise where the aot extra is installed
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -24,6 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dflash_jax.startup import start_jax  # noqa: E402
+
+start_jax()  # JAX without the CUDA plugin's start-up noise where the aot extra is installed
+
 from dflash_jax.assets import DEMO_DRAFT, DEMO_TARGET  # noqa: E402
 from dflash_jax.checkpoints.loading import load_draft_any, load_target_any, load_tokenizer  # noqa: E402
 from dflash_jax.engine.adaptive import tree_budget_summary  # noqa: E402
