@@ -17,12 +17,17 @@ COMPONENTS = ("ar_step", "verify", "draft", "round", "ar_round", "draft_window",
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
+    import contextlib
+    import io
+
     path = tmp_path_factory.mktemp("speed") / "speed.json"
-    rc = main(["--preset", "tiny", "--batch", str(BATCH), "--block-size", str(BLOCK), "--context", "8",
-               "--new-tokens", str(NEW), "--tau", str(TAU), "--repeats", "2", "--adaptive", "1,2", "--draft-window", "4",
-               "--json", str(path)])
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        rc = main(["--preset", "tiny", "--batch", str(BATCH), "--block-size", str(BLOCK), "--context", "8",
+                   "--new-tokens", str(NEW), "--tau", str(TAU), "--repeats", "2", "--adaptive", "1,2",
+                   "--draft-window", "4", "--json", str(path)])
     assert rc == 0
-    return json.loads(path.read_text())
+    return {**json.loads(path.read_text()), "stderr": log.getvalue()}
 
 
 def test_every_timing_is_positive(report):
@@ -37,6 +42,16 @@ def test_every_timing_is_positive(report):
     for value in report["bounds"].values():
         assert value > 0
     assert report["e2e"]["oracle"]["bound"] > 0 and report["e2e"]["draft"]["bound"] > 0
+
+
+def test_component_figures_are_logged_before_the_end_to_end_runs(report):
+    """A run stopped during its end-to-end decodes (a device lent for minutes) has already printed them."""
+    lines = report["stderr"].splitlines()
+    at = next(i for i, line in enumerate(lines) if "components, median ms:" in line)
+    assert at < next(i for i, line in enumerate(lines) if "end to end" in line)
+    logged = dict(part.split() for part in lines[at].split("median ms: ")[1].split(", "))
+    for name, value in logged.items():
+        assert float(value) == pytest.approx(report["timings"][name]["median_ms"], abs=1e-3), name
 
 
 def test_oracle_accepts_exactly_tau_and_outputs_match(report):

@@ -582,6 +582,8 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
     log("timing components (ar_step, verify, draft, round, ar_round) ...")
     with attention_kernel(s.attention, mesh):  # the component programs are traced here, outside generate()
         comp = component_timings(tc, tp, dc, dp, s, prompts)
+    # Logged at once: a run stopped later (a device lent for minutes) still leaves the components' figures.
+    log("components, median ms: " + ", ".join(f"{k} {v.median_s * 1e3:.3f}" for k, v in comp.items()))
 
     log("end to end: the autoregressive reference output ...")
     run_ar = lambda: generate(tc, tp, prompts, NoProposer(), NoProposer().init(), settings,  # noqa: E731
