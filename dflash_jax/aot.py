@@ -94,6 +94,8 @@ def compile_target(device: str, count: int = 1) -> CompileTarget:
         if len(devices) < count:
             raise UserError(f"--device local: a mesh of {count} devices, but this process has {len(devices)}")
         platform = devices[0].platform
+        # bytes_limit: what JAX's allocator may take (on a GPU 75% of the card unless
+        # XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise; an H200 showed 104.85 of 139.8 GiB), which is what fits.
         stats = devices[0].memory_stats() or {} if platform != "cpu" else {}
         lowering = {"gpu": "cuda"}.get(platform, platform)
         return CompileTarget(f"local {devices[0].device_kind}", platform, lowering, tuple(devices[:count]),

@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="plan the autoregressive baseline (no draft) even with a pairing")
     parser.add_argument("--device", default="cpu", metavar="DEVICE",
                         help=f"what to compile for: {', '.join(DEVICES)}, or a TPU topology such as v5p:2x2x2 "
-                             "(default cpu: this machine; local: the accelerators this process runs on, with "
-                             "their own memory figure)")
+                             "(default cpu: this machine; local: the accelerators this process runs on, against "
+                             "what JAX's allocator may take of them: 75%% of a GPU's memory unless "
+                             "XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise)")
     parser.add_argument("--batch", type=int, default=1, metavar="B", help="rows decoded together (default 1)")
     parser.add_argument("--context", type=int, default=4096, metavar="N",
                         help="positions each row holds at the end: prompt + new tokens (default 4096)")
