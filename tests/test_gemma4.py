@@ -41,7 +41,8 @@ from dflash_jax.models.draft_config import DraftConfig  # noqa: E402
 from dflash_jax.models.layers import rope_inv_freq  # noqa: E402
 from draft_tiny import official_config  # noqa: E402
 from hf_tiny import (  # noqa: E402
-    batched_forward, check_greedy_matches_generate, check_lossless, decode_with_random_draft, hf_forward, overridden, prompts, randomise, scaled_error, worst_errors,
+    batched_forward, check_greedy_matches_generate, check_lossless, decode_with_random_draft, hf_forward,
+    overridden, prompts, randomise, scaled_error, worst_errors,
 )
 
 TOL = 1e-5

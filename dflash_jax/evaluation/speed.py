@@ -630,8 +630,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
         mismatch = first_difference(run.first.tokens, ar.first.tokens)
         d["identical_to_ar"] = mismatch is None
         d["mismatch"] = mismatch
-        d["repeats_identical"] = run.repeat_mismatch is None
-        d["repeat_mismatch"] = run.repeat_mismatch
+        d["repeat_mismatch"] = run.repeat_mismatch  # None: every timed run gave its warm-up's tokens
         if kind is not None and "tree" not in run.name:  # a tree's verify is wider than the timed block
             cost = t["verify"] + (t["draft"] if kind == "with_draft" else 0.0)
             d["bound_kind"] = kind
@@ -764,7 +763,7 @@ def format_report(r: dict, title: str = "") -> str:
         f"(1.0 would be free verification, as on a GPU at small batch); draft / verify = "
         f"{r['ratios']['draft_over_verify']:.2f}",
     ]
-    unstable = {k: d["repeat_mismatch"] for k, d in e.items() if not d.get("repeats_identical", True)}
+    unstable = {k: d["repeat_mismatch"] for k, d in e.items() if d.get("repeat_mismatch")}
     if unstable:
         lines.append("warning: the same program gave other tokens on a repeated run (" + "; ".join(
             f"{k}: {v}" for k, v in unstable.items()) + "): this device's programs are not run-to-run "

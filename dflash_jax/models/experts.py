@@ -296,10 +296,10 @@ def grouped_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig
     if cfg.expert_bias:
         y = y + p["down_proj_bias"][expert_of]
     y = y * weights.reshape(-1)[order][:, None]
-    # Back to (token, k) order by a gather, then each token's k outputs summed in a fixed order. (A scatter-add
-    # over the repeated token indices lowers to atomics on GPUs: its summation order, and so its rounding,
-    # could change from run to run; the first H200 run saw repeated runs of one program disagree.)
-    y = y[jnp.argsort(order)].reshape(n, k, -1)
+    # Back to (token, k) order (each pair written once), then each token's k outputs summed in a fixed order. (A
+    # scatter-add over the repeated token indices lowers to atomics on GPUs: its summation order, and so its
+    # rounding, could change from run to run; the first H200 run saw repeated runs of one program disagree.)
+    y = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(n, k, -1)
     return jnp.sum(y, axis=1).astype(x.dtype)
 
 

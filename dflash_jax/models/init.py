@@ -12,9 +12,14 @@ import numpy as np
 from dflash_jax.models.dflash2 import identity_conv_init
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _normal(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) -> jax.Array:
+def _draw(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) -> jax.Array:
+    """N(0, std^2) in ``dtype``, or uniform random bytes for an integer ``dtype`` (MXFP4 codes; ``std`` unused)."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jax.random.bits(key, shape, dtype)
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
+
+
+_draw_jitted = jax.jit(_draw, static_argnums=(1, 2))
 
 
 HOST_INIT_LIMIT = 300_000_000  # parameters; bigger models are drawn on the device
@@ -27,16 +32,17 @@ DEVICE_SLICE = 1 << 25
 
 @functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))
 def _fill_rows(buf: jax.Array, key: jax.Array, rows: int, start: jax.Array, std: jax.Array) -> jax.Array:
-    part = (jax.random.normal(key, (rows,) + buf.shape[1:], jnp.float32) * std).astype(buf.dtype)
+    part = _draw(key, (rows,) + buf.shape[1:], buf.dtype, std)
     return jax.lax.dynamic_update_slice_in_dim(buf, part, start, axis=0)
 
 
-def _normal_on_device(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) -> jax.Array:
-    """N(0, std^2) in ``dtype`` drawn on the default device; a leaf of more than ``DEVICE_SLICE`` elements
-    slice by slice along its first axis (slice ``i`` from ``fold_in(key, i)``) into a donated buffer."""
+def _draw_on_device(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) -> jax.Array:
+    """N(0, std^2) in ``dtype`` (random bytes for an integer ``dtype``) drawn on the default device; a leaf of
+    more than ``DEVICE_SLICE`` elements slice by slice along its first axis (slice ``i`` from
+    ``fold_in(key, i)``) into a donated buffer."""
     size = int(np.prod(shape))
     if size <= DEVICE_SLICE or len(shape) < 2:
-        return _normal(key, shape, dtype, std)
+        return _draw_jitted(key, shape, dtype, std)
     rows = max(1, DEVICE_SLICE // (size // shape[0]))
     buf = jnp.zeros(shape, dtype)
     for i, start in enumerate(range(0, shape[0], rows)):
@@ -82,8 +88,7 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
             elif on_host:
                 out.append(jnp.asarray(rng.integers(0, 256, shape), dtype))
             else:  # gigabytes of codes (gpt-oss-120b): NumPy would draw them as int64 on the host, 8 bytes each
-                out.append(jax.jit(lambda k, shape=shape, dtype=dtype: jax.random.bits(k, shape, dtype))(
-                    jax.random.fold_in(key, i)))
+                out.append(_draw_on_device(jax.random.fold_in(key, i), shape, dtype, jnp.float32(0)))
         elif name in ("layer_scalar", "scale", "per_expert_scale"):
             out.append(jnp.ones(shape, dtype))
         elif name == "weight" and len(shape) == 1:
@@ -100,5 +105,5 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
             if on_host:
                 out.append(jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(scale), dtype))
             else:
-                out.append(_normal_on_device(jax.random.fold_in(key, i), shape, dtype, jnp.float32(scale)))
+                out.append(_draw_on_device(jax.random.fold_in(key, i), shape, dtype, jnp.float32(scale)))
     return jax.tree_util.tree_unflatten(treedef, out)
