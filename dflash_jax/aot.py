@@ -216,21 +216,22 @@ def abstract(tree: Any, shardings: Any) -> Any:
 
 def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: int = 4096,
                 max_new_tokens: int = 256, dtype: Any = jnp.bfloat16, mesh: str | None = None,
-                mxfp4: str = "dequantize", attention: str = "auto", device: str = "cpu",
+                experts: str = "dequantize", attention: str = "auto", device: str = "cpu",
                 block_size: int | None = None, tree_budget: int = 0, progress=None, keep_text: bool = False) -> dict:
     """Compile the engine's prefill and decode loop for ``device`` from abstract params (no weights) and
     report what one device holds and runs. ``context``: the positions a row holds at the end (its prompt is
-    ``context - max_new_tokens`` tokens); ``mesh``: ``axis=size`` pairs (``tensor=8``); ``mxfp4``: gpt-oss's
-    expert weights ``packed`` (as ``--mxfp4 packed``) or decoded. ``draft_config`` None plans the
+    ``context - max_new_tokens`` tokens); ``mesh``: ``axis=size`` pairs (``tensor=8``); ``experts``: quantised
+    expert weights (gpt-oss's MXFP4, the FP8 / INT4 of ``target_config.quantization``) ``packed`` (as
+    ``--experts packed``) or decoded. ``draft_config`` None plans the
     autoregressive baseline; ``tree_budget``: rounds verify a draft tree of that many nodes (``--tree``).
     ``keep_text`` adds the compiled programs' HLO text under ``_text``."""
     from dflash_jax import sharding
-    from dflash_jax.checkpoints.expert_layouts import with_mxfp4
+    from dflash_jax.checkpoints.expert_layouts import with_packed_experts
     from dflash_jax.checkpoints.hf_target import abstract_target_params
     from dflash_jax.checkpoints.official_draft import abstract_draft_params
     from dflash_jax.engine.generate import DecodeSettings, cache_slots, jitted_functions, prompt_width, verify_span
     from dflash_jax.engine.proposers import DFlashProposer, NoProposer
-    from dflash_jax.models import experts
+    from dflash_jax.models.experts import recording_reads
     from dflash_jax.models.draft import shared_head
     from dflash_jax.platform import compiling_for
     from dflash_jax.precision import resolve_dtype
@@ -244,7 +245,7 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
     sizes = sharding.parse_mesh(mesh, _mesh_count(mesh))
     count = math.prod(sizes.values())
     target = compile_target(device, count)
-    target_config = with_mxfp4(target_config, mxfp4)
+    target_config = with_packed_experts(target_config, experts)
     if draft_config is not None:
         draft_config.validate_against(target_config)
     block = (block_size or draft_config.block_size) if draft_config is not None else 1
@@ -262,7 +263,7 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
     # Lowered under the mesh's abstract mesh: kernels that ask for the chip (Pallas's TPU lowering reads the
     # abstract mesh's device, else the default device: this CPU) get the device compiled for.
     with compiling_for(target.platform), jax.sharding.use_abstract_mesh(the_mesh.abstract_mesh), \
-            experts.recording_reads() as reads:
+            recording_reads() as reads:
         tparams = abstract_target_params(target_config, dtype)
         tparams = abstract(tparams, sharding.tree_shardings(tparams, the_mesh))
         settings = DecodeSettings(max_new_tokens, mesh=the_mesh, attention=attention, tree_budget=tree_budget)
@@ -307,7 +308,7 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
         "num_devices": count,
         "mesh": {a: int(s) for a, s in sizes.items()},
         "batch": batch, "context": context, "prompt_tokens": prompt, "max_new_tokens": max_new_tokens,
-        "block_size": block, "tree_budget": tree_budget, "cache_slots": slots, "dtype": jnp.dtype(dtype).name, "mxfp4": mxfp4,
+        "block_size": block, "tree_budget": tree_budget, "cache_slots": slots, "dtype": jnp.dtype(dtype).name, "experts": experts,
         "attention": attention,
         "weights_gib": gib(weights),
         "cache_gib": gib(caches),

@@ -79,6 +79,13 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"experts/(gate|up)_proj_scales$", ("experts", "packed_rows", None)),
     (r"experts/down_proj_blocks$", ("experts", "embed", "mlp", None)),
     (r"experts/down_proj_scales$", ("experts", "embed", "mlp")),
+    # FP8 / INT4 experts kept quantised (models/quantized_experts): codes [E, out, in or in/8] and scales
+    # [E, out/bn, in/bk], rows first, split like the float weights they decode to (gate/up [E, H, I] over
+    # (embed, mlp), so their rows I over tensor and inputs H over fsdp; down the other way round). Codes and
+    # scales split alike: with 128 x 128 blocks (or INT4 groups of 32) every shard of a released model's sizes
+    # holds whole blocks, so each device decodes its own slice.
+    (r"experts/(gate|up)_proj_(qweight|qscale)$", ("experts", "mlp", "embed")),
+    (r"experts/down_proj_(qweight|qscale)$", ("experts", "embed", "mlp")),
     (r"shared_expert_gate/kernel$", ("embed", None)),
     (r"self_attn/sinks$", ("heads",)),
     (r"/layer_scalar$", (None,)),  # Gemma 4's stored per-layer output scale [1]

@@ -16,7 +16,7 @@ only the experts its tokens are routed to (an estimate per device: expert and te
 
 Example: does gpt-oss-120b fit one H200 at 32k tokens and batch 4?
 
-    python -m infer plan --pairing gpt-oss-120b-dflash-b10 --mxfp4 packed --context 32768 --batch 4 --device h200
+    python -m infer plan --pairing gpt-oss-120b-dflash-b10 --experts packed --context 32768 --batch 4 --device h200
 """
 
 from __future__ import annotations
@@ -69,8 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh", metavar="SPEC",
                         help="device mesh with explicit sizes, e.g. tensor=8 or data=2,expert=4 (default: one "
                              "device)")
-    parser.add_argument("--mxfp4", choices=("dequantize", "packed"), default="dequantize",
-                        help="gpt-oss's MXFP4 experts decoded at load (default) or kept packed on the device")
+    parser.add_argument("--experts", "--mxfp4", dest="experts", choices=("dequantize", "packed"),
+                        default="dequantize",
+                        help="quantised experts (gpt-oss's MXFP4; the FP8 or INT4 that the pairing's "
+                             "quantization_config declares) decoded at load (default) or kept packed on the "
+                             "device (--mxfp4: the older name)")
     add_attention_arg(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
@@ -110,7 +113,7 @@ def _table(plan: dict) -> str:
     lines = [
         f"device {plan['device']} ({plan['platform']}), {mesh}; batch {plan['batch']}, context {plan['context']} "
         f"({plan['prompt_tokens']} prompt + {plan['max_new_tokens']} new, {plan['cache_slots']} cache slots), "
-        f"block {plan['block_size']}{', tree of ' + str(plan['tree_budget']) + ' nodes' if plan.get('tree_budget') else ''}, {plan['dtype']}, mxfp4 {plan['mxfp4']}, attention {plan['attention']}",
+        f"block {plan['block_size']}{', tree of ' + str(plan['tree_budget']) + ' nodes' if plan.get('tree_budget') else ''}, {plan['dtype']}, experts {plan['experts']}, attention {plan['attention']}",
         "per device:",
         f"  weights            {gib('weights_gib')}",
         f"  caches             {gib('cache_gib')}",
@@ -134,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     target, draft = _configs(args)
     progress = None if args.json else (lambda message: print(message + " ...", flush=True))
     plan = plan_decode(target, draft, batch=args.batch, context=args.context, max_new_tokens=args.max_new_tokens,
-                       dtype=args.dtype, mesh=args.mesh, mxfp4=args.mxfp4, attention=args.attention,
+                       dtype=args.dtype, mesh=args.mesh, experts=args.experts, attention=args.attention,
                        device=args.device, block_size=args.block_size, tree_budget=args.tree, progress=progress)
     print(json.dumps(plan) if args.json else _table(plan))
     return 0

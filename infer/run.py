@@ -50,12 +50,14 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
                         help="tokenizer directory or Hub id (default: the target's own tokenizer files)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="compute and parameter dtype (default float32; use bfloat16 on GPU/TPU)")
-    parser.add_argument("--mxfp4", choices=("dequantize", "packed"), default="dequantize",
-                        help="a gpt-oss target's MXFP4 expert weights (released checkpoints): dequantize "
-                             "(default) decodes them to --dtype at load, 16 bits per expert weight in bfloat16 "
-                             "(gpt-oss-120b: ~230 GB); packed keeps them packed on the device, 4.25 bits per "
-                             "expert weight (~61 GB, so gpt-oss-120b fits one 141 GB accelerator), decoded inside "
-                             "each layer at use. Same outputs either way")
+    parser.add_argument("--experts", "--mxfp4", dest="experts", choices=("dequantize", "packed"),
+                        default="dequantize",
+                        help="a target's quantised expert weights (released checkpoints: gpt-oss's MXFP4, "
+                             "DeepSeek-V3 / GLM-5.1-FP8 / MiniMax-M2's block FP8, Kimi K2.5-K2.7's INT4): "
+                             "dequantize (default) decodes them to --dtype at load, 16 bits per expert weight in "
+                             "bfloat16 (gpt-oss-120b: ~230 GB); packed keeps them as stored on the device "
+                             "(MXFP4 4.25, FP8 8, INT4 4.5 bits per weight) and decodes only the routed experts "
+                             "inside each layer. --mxfp4 is the same flag's older name")
     parser.add_argument("--block-size", type=int, metavar="B",
                         help="tokens per round (anchor + B-1 drafts), at most the draft's block_size (default)")
     parser.add_argument("--adaptive", type=widths_arg, default=(), metavar="W1,W2,...",
@@ -154,9 +156,9 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
     # fails before the target's download.
     ckpt = resolve_checkpoint(args.ckpt, ckpt_revision, "--ckpt") if args.ckpt else None
     target_path = resolve_checkpoint(args.target, getattr(args, "revision", None), "--target")
-    mxfp4 = getattr(args, "mxfp4", "dequantize")  # namespaces built by hand (the demo) lack the flag
+    experts = getattr(args, "experts", "dequantize")  # namespaces built by hand (the demo) lack the flag
     target_config, target_params = load_target_any(target_path, dtype=args.dtype, progress=True, mesh=mesh,
-                                                   mxfp4=mxfp4)
+                                                   experts=experts)
     tokenizer = load_tokenizer(args.tokenizer or tokenizer_dir(target_path))
     draft_config = draft_params = None
     if ckpt:

@@ -98,10 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "token ('dense'), the (token, expert) pairs sorted into one grouped matmul "
                              "('grouped'), each pair reading only its expert's weights ('routed'), or by platform "
                              "and token count ('auto', the engine's choice; default)")
-    parser.add_argument("--mxfp4", choices=("dequantize", "packed"), default="dequantize",
+    parser.add_argument("--experts", "--mxfp4", dest="experts", choices=("dequantize", "packed"),
+                        default="dequantize",
                         help="gpt-oss presets: experts as bfloat16/float32 weights ('dequantize', default) or kept "
                              "as packed MXFP4 codes decoded inside the layer ('packed', how gpt-oss-120b fits one "
-                             "80-141 GB device)")
+                             "80-141 GB device); --mxfp4 is the older name")
     parser.add_argument("--low-memory", action="store_true",
                         help="lower the peak memory on a CPU (for the real-width mixture-of-experts presets): "
                              "XLA:CPU's memory-minimising scheduler instead of the concurrency-optimised one, no "
@@ -200,16 +201,16 @@ def load_models(args: argparse.Namespace):
 
         ckpt = resolve_checkpoint(args.ckpt, args.ckpt_revision, "--ckpt")  # before the target's download
         tc, tp = load_target_any(args.target, dtype=args.dtype, progress=True, revision=args.revision,
-                                 mxfp4=args.mxfp4)
+                                 experts=args.experts)
         dc, dp = load_draft_any(ckpt, dtype=args.dtype, progress=True)
         dc.validate_against(tc, source=str(args.ckpt))
         return f"target {args.target}, draft {args.ckpt}", settings_of(args, dc.block_size), tc, tp, dc, dp
     if args.ckpt or args.revision or args.ckpt_revision:
         raise UsageError("--ckpt, --revision and --ckpt-revision go with --target, not with --preset")
-    _, dc = preset_configs(args.preset, args.block_size, args.draft_layers, args.target_layers, args.mxfp4)
+    _, dc = preset_configs(args.preset, args.block_size, args.draft_layers, args.target_layers, args.experts)
     settings = settings_of(args, dc.block_size)
     tc, tp, dc, dp = preset_models(args.preset, args.block_size, settings.dtype, args.seed, args.draft_layers,
-                                   args.target_layers, args.mxfp4)
+                                   args.target_layers, args.experts)
     title = f"preset {args.preset} (random weights: {preset_description(args.preset, args.target_layers)})"
     return title, settings, tc, tp, dc, dp
 

@@ -97,7 +97,7 @@ GPT_OSS_CASES = [pytest.param(d, m, marks=needs[d]) for d, m in
 def test_gpt_oss_round_reads_only_routed_experts_and_runs_no_loop(plans, device, mxfp4):
     """Windows (a bounded span), sinks (folded after the fused kernel) and experts (routed: 8 tokens x top-2
     of 32) compile with no loop in a round; the experts one round reads are exactly the routed ones."""
-    p = cached(plans, ("gpt_oss", device, mxfp4), GPT_OSS, device, mxfp4=mxfp4, keep_text=True)
+    p = cached(plans, ("gpt_oss", device, mxfp4), GPT_OSS, device, experts=mxfp4, keep_text=True)
     assert p["loops_per_round"] == 0
     assert p["routed_expert_bytes_per_round"] > 0
     assert p["expert_bytes_per_round"] <= 1.5 * p["routed_expert_bytes_per_round"]
@@ -116,7 +116,7 @@ def test_compiled_gpu_programs_have_no_all_expert_broadcast(plans, device):
     from dflash_jax.aot import compile_target, fused_kernels
 
     # the decoded-experts plan of test_gpt_oss_round_reads_only_routed_experts_and_runs_no_loop (one compile)
-    p = cached(plans, ("gpt_oss", device, "dequantize"), GPT_OSS, device, mxfp4="dequantize", keep_text=True)
+    p = cached(plans, ("gpt_oss", device, "dequantize"), GPT_OSS, device, experts="dequantize", keep_text=True)
 
     def expanded(text):  # [32 experts, rows, 64]: rows other than 64 (the weights' own [E, H, I], H = I = 64)
         return {int(rows) for rows in re.findall(r"bf16\[32,(\d+),64\]", text)} - {64}

@@ -106,7 +106,7 @@ def test_repeated_experts_are_routed_per_pair():
     """Two tokens picking the same expert: routed (both forms) equals the per-pair reference in numpy."""
     cfg = CONFIGS["gpt_oss_float"]
     p = _params(cfg, seed=3)
-    experts = X.StackedExperts(p["experts"], False, jnp.float32, "experts")
+    experts = X.StackedExperts(p["experts"], "float", jnp.float32, "experts")
     x = np.random.default_rng(4).standard_normal((3, H)).astype(np.float32)
     ids = np.array([[5, 1], [1, 5], [5, 2]], np.int32)  # expert 5 three times, 1 twice
     weights = np.array([[0.7, 0.3], [0.6, 0.4], [0.9, 0.1]], np.float32)

@@ -1,4 +1,4 @@
-"""gpt-oss with its MXFP4 expert weights kept packed on the device (``load_target(..., mxfp4="packed")``).
+"""gpt-oss with its MXFP4 expert weights kept packed on the device (``load_target(..., experts="packed")``).
 
 A tiny gpt-oss checkpoint whose experts are stored as released gpt-oss stores them (``gate_up_proj_blocks`` /
 ``_scales``, ``down_proj_blocks`` / ``_scales``, uint8), with the transformers model set to transformers' own
@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from dflash_jax import sharding  # noqa: E402
-from dflash_jax.checkpoints.expert_layouts import with_mxfp4  # noqa: E402
+from dflash_jax.checkpoints.expert_layouts import with_packed_experts  # noqa: E402
 from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target, save_target  # noqa: E402
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, flatten  # noqa: E402
 from dflash_jax.engine.decoder import Decoder  # noqa: E402
@@ -77,7 +77,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def loaded(ckpts):
     _, packed_dir, _ = ckpts
-    return load_target(packed_dir), load_target(packed_dir, mxfp4="packed")
+    return load_target(packed_dir), load_target(packed_dir, experts="packed")
 
 
 def _batch(vocab, seed=0):
@@ -177,18 +177,18 @@ def test_engine_greedy_tokens_identical_packed_vs_dequantized(loaded):
 def test_packed_on_float_experts_is_one_clear_error(ckpts, loaded):
     float_dir, _, _ = ckpts
     with pytest.raises(CheckpointError) as err:
-        load_target(float_dir, mxfp4="packed")
+        load_target(float_dir, experts="packed")
     message = str(err.value)
     assert str(float_dir / "model.safetensors") in message
     assert "tensor 'model.layers.0.mlp.experts." in message and "float expert weights" in message
-    assert "_blocks" in message and "mxfp4='dequantize'" in message
-    with pytest.raises(CheckpointError, match="mxfp4 must be one of"):
-        load_target(float_dir, mxfp4="fp4")
+    assert "_blocks" in message and "experts='dequantize'" in message
+    with pytest.raises(CheckpointError, match="experts must be one of"):
+        load_target(float_dir, experts="fp4")
     (config_d, _), (config_p, params_p) = loaded
     qwen = dataclasses.replace(config_d, model_type="qwen3_moe")
-    with pytest.raises(CheckpointError, match="gpt-oss"):
-        with_mxfp4(qwen, "packed")
-    with pytest.raises(CheckpointError, match="mxfp4='dequantize' to save"):
+    with pytest.raises(CheckpointError, match="float weights"):  # a qwen3_moe without quantization_config
+        with_packed_experts(qwen, "packed")
+    with pytest.raises(CheckpointError, match="experts='dequantize' to save"):
         save_target(config_p, params_p, float_dir.parent / "never_written")
 
 

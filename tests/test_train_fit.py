@@ -183,8 +183,10 @@ def test_bad_input_is_one_error_line(tiny, tmp_path, capsys):
     assert "output.export_dtype must be" in error_of(capsys, base + ["--set", "output.export_dtype=int8"])
     assert "train.seed must be below 2**32" in error_of(capsys, base + ["--set", "train.seed=4294967296"])
     assert "must be a finite number" in error_of(capsys, base + ["--set", "train.learning_rate=.inf"])
-    assert "target.mxfp4 must be dequantize or packed" in error_of(capsys, base + ["--set", "target.mxfp4=int4"])
-    assert "keeps gpt-oss's MXFP4 expert weights packed" in error_of(capsys, base + ["--set", "target.mxfp4=packed"])
+    assert "target.experts must be dequantize or packed" in error_of(capsys, base + ["--set", "target.experts=int4"])
+    assert "has no experts" in error_of(capsys, base + ["--set", "target.mxfp4=packed"])  # the older name
+    assert "give one of them" in error_of(capsys, base + ["--set", "target.mxfp4=packed", "--set",
+                                                          "target.experts=packed"])
     init = error_of(capsys, base + ["--set", f"draft.init={root / 'draft'}"])
     assert "cannot be combined with draft.init" in init and "draft.num_layers" in init
     long_eval = tmp_path / "long.jsonl"

@@ -150,10 +150,10 @@ def _settings(args: argparse.Namespace) -> dict:
             overrides.append(f"draft.block_size={args.block_size}")
         cfg = load_run_config(args.config, overrides)
         target = _target_config_of(cfg["target"]["path"], cfg["target"]["revision"])
-        if cfg["target"]["mxfp4"] == "packed":  # plan the frozen target with its experts as 4.25-bit blocks
-            from dflash_jax.checkpoints.expert_layouts import with_mxfp4
+        if cfg["target"]["experts"] == "packed":  # plan the frozen target with its experts kept quantised
+            from dflash_jax.checkpoints.expert_layouts import with_packed_experts
 
-            target = with_mxfp4(target, "packed", cfg["target"]["path"])
+            target = with_packed_experts(target, "packed", cfg["target"]["path"])
         draft = _draft_config_of(cfg, target)
         t = cfg["train"]
         name = args.config

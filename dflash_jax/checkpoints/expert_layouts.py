@@ -17,9 +17,13 @@ The experts' parameters are ``[E, in, out]`` stacks (``experts/{gate,up}_proj [E
 - fused, gpt-oss style: ``mlp.experts.gate_up_proj [E, H, 2I]`` (``x @ W``) with gate and up INTERLEAVED
   (gate = even columns), ``gate_up_proj_bias [E, 2I]`` likewise, ``down_proj [E, I, H]``, ``down_proj_bias``;
 - gpt-oss MXFP4 (released weights): ``gate_up_proj_blocks``/``_scales`` and ``down_proj_blocks``/``_scales``
-  (``models/mxfp4``), decoded here at load, or (``mxfp4="packed"``, ``ExpertsConfig.weight_format ==
+  (``models/mxfp4``), decoded here at load, or (``experts="packed"``, ``ExpertsConfig.weight_format ==
   "mxfp4"``) loaded as they are into the packed params ``experts/{gate,up,down}_proj_{blocks,scales}`` (uint8,
-  rows = output features, so splitting the interleaved gate/up is taking every other row).
+  rows = output features, so splitting the interleaved gate/up is taking every other row);
+- block-scaled FP8 and packed INT4 per expert (DeepSeek-V3, Kimi K2.5-K2.7, GLM-5.1-FP8, MiniMax-M2;
+  ``checkpoints/quantized``): dequantised at load like any weight, or (``experts="packed"``,
+  ``ExpertsConfig.weight_format`` "fp8" / "int4") the per-expert codes and scales stacked as they are into
+  ``experts/{gate,up,down}_proj_{qweight,qscale}`` (``models/quantized_experts``).
 
 Everything else of an expert layer (the router ``mlp.gate``/``mlp.router``, the shared expert) follows the
 default name mirror.
@@ -33,14 +37,16 @@ from typing import Callable
 
 import numpy as np
 
+from dflash_jax.checkpoints import quantized
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, Derived, SafetensorsDir
-from dflash_jax.models import mxfp4
+from dflash_jax.models import mxfp4, quantized_experts
 from dflash_jax.models.config import TargetConfig
 
 EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj", "gate_proj_bias", "up_proj_bias", "down_proj_bias",
                  "gate_proj_blocks", "gate_proj_scales", "up_proj_blocks", "up_proj_scales", "down_proj_blocks",
-                 "down_proj_scales")
-PACKED_SUFFIXES = ("_blocks", "_scales")
+                 "down_proj_scales", "gate_proj_qweight", "gate_proj_qscale", "up_proj_qweight", "up_proj_qscale",
+                 "down_proj_qweight", "down_proj_qscale")
+PACKED_SUFFIXES = ("_blocks", "_scales", "_qweight", "_qscale")
 # Families whose checkpoints use transformers' "mixtral" names: the MoE block ``block_sparse_moe``, an expert's
 # projections w1/w3/w2 (our ``experts/{gate,up,down}_proj``).
 MIXTRAL_STYLE = ("minimax_m2",)
@@ -51,25 +57,50 @@ TOP_LEVEL_MOE = ("gemma4_text",)
 # Families whose selection-only router bias sits inside the router (``mlp.gate.e_score_correction_bias``, the
 # params' ``mlp/e_score_correction_bias``): DeepSeek-V3, Kimi K2 and GLM-5.
 ROUTER_HELD_BIAS = ("deepseek_v3", "kimi_k2", "glm_moe_dsa")
-#: ``load_target(..., mxfp4=...)``: what to do with MXFP4 expert weights.
-MXFP4_MODES = ("dequantize", "packed")
+#: ``load_target(..., experts=...)``: what to do with quantised expert weights (MXFP4, FP8, INT4).
+EXPERT_MODES = ("dequantize", "packed")
 
 
 def is_packed_param(path: tuple[str, ...]) -> bool:
     return is_expert_param(path) and path[-1].endswith(PACKED_SUFFIXES)
 
 
-def with_mxfp4(config: TargetConfig, mxfp4_mode: str, source: str = "") -> TargetConfig:
-    """``config`` whose experts are declared packed (``mxfp4_mode == "packed"``) or as it is ("dequantize").
-    Packed experts exist for gpt-oss only (the family whose checkpoints store MXFP4)."""
-    if mxfp4_mode not in MXFP4_MODES:
-        raise CheckpointError(f"mxfp4 must be one of {', '.join(MXFP4_MODES)}, got {mxfp4_mode!r}")
-    if mxfp4_mode == "dequantize":
+def with_packed_experts(config: TargetConfig, mode: str, source: str = "") -> TargetConfig:
+    """``config`` whose routed experts are declared as the checkpoint quantises them (``mode == "packed"``) or
+    as it is ("dequantize"): gpt-oss's MXFP4, or the FP8 / INT4 scheme of ``config.quantization`` (read from
+    config.json's ``quantization_config``). Anything else is a ``CheckpointError`` naming ``source`` and why."""
+    if mode not in EXPERT_MODES:
+        raise CheckpointError(f"experts must be one of {', '.join(EXPERT_MODES)}, got {mode!r}")
+    if mode == "dequantize":
         return config
-    if config.model_type != "gpt_oss" or config.experts is None:
-        raise CheckpointError(f"{source or 'target'}: mxfp4='packed' keeps gpt-oss's MXFP4 expert weights packed, "
-                              f"but this is a {config.model_type} model; load it with mxfp4='dequantize'")
-    return dataclasses.replace(config, experts=dataclasses.replace(config.experts, weight_format="mxfp4"))
+    where, fix = source or "target", "load it with experts='dequantize' (--experts dequantize)"
+    if config.experts is None:
+        raise CheckpointError(f"{where}: experts='packed' keeps quantised expert weights packed, but this "
+                              f"{config.model_type} model has no experts; {fix}")
+    if config.model_type == "gpt_oss":
+        fmt, block = "mxfp4", None
+    else:
+        fmt, block = _packed_format(config.quantization, where, fix)
+        e = config.experts
+        for what, (out, inn) in (("gate/up_proj", (e.intermediate_size, config.hidden_size)),
+                                 ("down_proj", (config.hidden_size, e.intermediate_size))):
+            try:
+                quantized_experts.check_block(fmt, block, out, inn, f"{where}: experts' {what}")
+            except ValueError as err:
+                raise CheckpointError(f"{err}; {fix}") from None
+    return dataclasses.replace(config, experts=dataclasses.replace(config.experts, weight_format=fmt,
+                                                                   weight_block=block))
+
+
+def _packed_format(scheme, where: str, fix: str) -> tuple[str, tuple[int, int]]:
+    """``(weight_format, weight_block)`` that keep a checkpoint's quantised experts as stored."""
+    if isinstance(scheme, quantized.Int4Scheme) and scheme.group_size:
+        return "int4", (1, scheme.group_size)
+    if isinstance(scheme, quantized.Fp8Scheme) and scheme.strategy in ("block", "group"):
+        return "fp8", scheme.block
+    what = "float weights (no quantization_config)" if scheme is None else scheme.describe()
+    raise CheckpointError(f"{where}: experts='packed' keeps MXFP4 (gpt-oss), block- or group-scaled FP8 and "
+                          f"group-scaled INT4 experts as stored, but this checkpoint holds {what}; {fix}")
 
 
 def moe_key(config: TargetConfig, key: str) -> str:
@@ -103,6 +134,8 @@ def expert_rule(config: TargetConfig, source: SafetensorsDir, prefix: str,
         if name.endswith(PACKED_SUFFIXES):
             return _gpt_oss_packed_rule(source, base, name, e, h, i, where)
         return _gpt_oss_rule(base, name, e, h, i, has, where)
+    if name.endswith(("_qweight", "_qscale")):
+        return _quantized_rule(config, source, base, name, where)
     # Qwen style
     if name.endswith("_bias"):
         raise CheckpointError(f"{source.path}: {config.model_type} experts have no biases ({name})")
@@ -150,13 +183,71 @@ def _gpt_oss_packed_rule(source: SafetensorsDir, base: str, name: str, e: int, h
         float_key = f"{base}.{fused}"
         raise CheckpointError(
             f"{source.file_of(float_key)}: tensor {float_key!r} holds float expert weights "
-            f"({source.dtype_name(float_key)}), but mxfp4='packed' (--mxfp4 packed) needs the MXFP4 tensors "
-            f"{fused}_blocks / {fused}_scales of a released gpt-oss checkpoint; load it with mxfp4='dequantize'")
+            f"({source.dtype_name(float_key)}), but experts='packed' (--experts packed) needs the MXFP4 tensors "
+            f"{fused}_blocks / {fused}_scales of a released gpt-oss checkpoint; load it with experts='dequantize'")
     in_f, out_f = (i, h) if fused == "down_proj" else (h, 2 * i)
     blocks_shape, scales_shape = mxfp4.packed_shapes(in_f, out_f, e)
     shape = blocks_shape if part == "blocks" else scales_shape
     rows = slice(None) if fused == "down_proj" else slice(0, None, 2) if proj == "gate_proj" else slice(1, None, 2)
     return Derived((key,), (shape,), lambda a: np.ascontiguousarray(a[0][:, rows]), ("uint8",), name=where)
+
+
+def _quantized_rule(config: TargetConfig, source: SafetensorsDir, base: str, name: str, where: str) -> Derived:
+    """A kept-quantised param (``gate_proj_qweight`` / ``_qscale``) stacked from the per-expert tensors as
+    stored: FP8 ``<m>.weight`` + ``<m>.weight_scale_inv`` (or ``_scale``), INT4 ``<m>.weight_packed`` +
+    ``<m>.weight_scale``, ``<m>`` = ``{base}.{j}.{proj}`` (Mixtral names for MiniMax-M2). Each tensor's
+    stored dtype is checked; FP8 scales are read as float32 (E8M0 exponents converted)."""
+    proj, part = name.rsplit("_", 1)
+    e, cfg = config.experts.num_experts, config.experts
+    h, i = config.hidden_size, cfg.intermediate_size
+    out_f, in_f = (i, h) if proj != "down_proj" else (h, i)
+    stored = MIXTRAL_NAMES[proj] if config.model_type in MIXTRAL_STYLE else proj
+    weights = [f"{base}.{j}.{stored}.weight" for j in range(e)]
+    scheme = source.quantization
+    fmt, block = cfg.weight_format, cfg.weight_block
+    if fmt == "int4":
+        packed_key, scale_key, _ = quantized.packed_names(weights[0])
+        words = lambda w: quantized.packed_names(w)[0]  # noqa: E731
+        if part == "qweight":
+            keys = tuple(words(w) for w in weights)
+            read = _reader(source, ("I32",), "packed INT4 words", where)
+        else:
+            keys = tuple(quantized.packed_names(w)[1] for w in weights)
+            read = _reader(source, ("BF16",), "INT4 scales kept on the device (bfloat16, as Kimi ships them)",
+                           where)
+    else:
+        if part == "qweight":
+            keys = tuple(weights)
+            read = _reader(source, quantized.FP8_WEIGHT_DTYPES, "FP8 e4m3 codes", where, fp8_codes=True)
+        else:
+            keys = tuple(scheme.scale_key(w) for w in weights)
+            read = lambda k: quantized.scale_values(source, k, scheme)  # noqa: E731
+    if part == "qweight":
+        shape = quantized_experts.qweight_shape(fmt, e, out_f, in_f)[1:]
+    else:
+        shape = quantized_experts.qscale_shape(fmt, block, e, out_f, in_f)[1:]
+    if keys[0] not in source.key_to_file and weights[0] in source.key_to_file \
+            and not source.is_quantized(weights[0]):
+        raise CheckpointError(
+            f"{source.file_of(weights[0])}: tensor {weights[0]!r} holds float expert weights "
+            f"({source.dtype_name(weights[0])}), but experts='packed' (--experts packed) needs them quantised as "
+            f"config.json says; load it with experts='dequantize'")
+    return Derived(keys, (shape,) * e, lambda arrays: np.stack(arrays), ("raw",) * e, name=where, read=read)
+
+
+def _reader(source: SafetensorsDir, dtypes: tuple[str, ...], what: str, where: str, fp8_codes: bool = False):
+    """Reads one stored tensor as it is, after checking its dtype (and, for FP8 codes, that none is NaN)."""
+    def read(key: str) -> np.ndarray:
+        stored = source.stored_dtype_name(key)
+        if stored not in dtypes:
+            raise CheckpointError(f"{source.file_of(key)}: tensor {key!r} is stored as {stored}; {what} must be "
+                                  f"{' or '.join(dtypes)} ({where}; or load with experts='dequantize')")
+        arr = source.get_stored(key)
+        if fp8_codes and ((np.asarray(arr).view(np.uint8) & 0x7F) == 0x7F).any():
+            raise CheckpointError(f"{source.file_of(key)}: FP8 tensor {key!r} holds the e4m3 NaN code (0x7F / 0xFF)")
+        return arr
+
+    return read
 
 
 def export_expert_tensors(config: TargetConfig, layer_params: dict, prefix: str, layer: int) -> dict:

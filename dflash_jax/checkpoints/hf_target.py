@@ -13,13 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.checkpoints.expert_layouts import (
-    MXFP4_MODES,
     expert_rule,
     export_expert_tensors,
     is_expert_param,
     is_packed_param,
     moe_key,
-    with_mxfp4,
+    with_packed_experts,
 )
 from dflash_jax.checkpoints.safetensors_io import (
     CheckpointError,
@@ -78,23 +77,25 @@ def target_key_of(prefix: str):
 
 
 def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False,
-                place=None, mxfp4: str = "dequantize") -> tuple[TargetConfig, dict]:
+                place=None, experts: str = "dequantize") -> tuple[TargetConfig, dict]:
     """Load a Hugging Face target directory (any family of ``models/config.FAMILIES``) into
     ``(config, params)``; expert weights in any stored layout (``expert_layouts``).
 
     Keys may carry the ``model.`` prefix (``*ForCausalLM`` checkpoints) or not (bare ``*Model``).
     ``place(path, host_array)`` puts each tensor on the devices (see ``safetensors_io.load_params``).
-    ``mxfp4``: what becomes of gpt-oss's MXFP4 expert weights. ``"dequantize"`` (default) decodes them to
-    ``dtype`` here (16 bits per weight in bfloat16); ``"packed"`` keeps the stored uint8 blocks and scales
-    (4.25 bits per weight: gpt-oss-120b's experts in ~61 GB instead of ~230 GB) and the returned config says so
-    (``config.experts.weight_format == "mxfp4"``): the model decodes them inside each layer. "packed" needs a
-    gpt-oss checkpoint that stores MXFP4 (float experts are a ``CheckpointError`` naming the file and tensor).
-    Packed params are never cast; every other param is cast to ``dtype`` (``None`` keeps the stored dtypes).
+    ``experts``: what becomes of quantised routed-expert weights. ``"dequantize"`` (default) decodes them to
+    ``dtype`` here (16 bits per weight in bfloat16); ``"packed"`` keeps them as stored and the returned config
+    says so (``config.experts.weight_format``): gpt-oss's MXFP4 uint8 blocks and scales (4.25 bits per weight:
+    gpt-oss-120b's experts in ~61 GB instead of ~230 GB), block-scaled FP8 codes (DeepSeek-V3, GLM-5.1-FP8,
+    MiniMax-M2: 8 bits) or packed INT4 words (Kimi K2.5-K2.7: 4.5 bits); the model decodes them inside each
+    layer. "packed" needs experts stored quantised (float experts are a ``CheckpointError`` naming the file and
+    tensor). Packed params are never cast; every other param (the attention and dense layers of a quantised
+    checkpoint too, dequantised) is cast to ``dtype`` (``None`` keeps the stored dtypes).
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: target checkpoint directory not found")
-    config = with_mxfp4(TargetConfig.from_json(path / "config.json"), mxfp4, str(path))
+    config = with_packed_experts(TargetConfig.from_json(path / "config.json"), experts, str(path))
     dtype = resolve_dtype(dtype)
     source = SafetensorsDir(path)
     if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
@@ -132,8 +133,8 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
 
     def put(param_path, arr):
         # load_params runs with dtype=None (it would cast every tensor); the cast to ``dtype`` happens here, for
-        # floating-point tensors only, so the uint8 MXFP4 blocks and scales stay packed.
-        if dtype is not None and not np.issubdtype(arr.dtype, np.integer):
+        # floating-point tensors only: quantised experts kept packed stay as stored.
+        if dtype is not None and not is_packed_param(tuple(param_path)) and not np.issubdtype(arr.dtype, np.integer):
             arr = arr.astype(np.float32 if tuple(param_path) in float32_params else dtype, copy=False)
         return place(param_path, arr) if place is not None else jnp.asarray(arr)
 
@@ -188,8 +189,8 @@ def save_target(config: TargetConfig, params: dict, out_dir: str | Path, dtype: 
     dtype = resolve_dtype(dtype) if dtype is not None else None
     experts = {path: leaf for path, leaf in flatten(params).items() if is_expert_param(path)}
     if any(is_packed_param(path) for path in experts):
-        raise CheckpointError(f"{out_dir}: these params keep MXFP4 experts packed (loaded with mxfp4='packed'); "
-                              "load the target with mxfp4='dequantize' to save it")
+        raise CheckpointError(f"{out_dir}: these params keep quantised experts packed (loaded with "
+                              "experts='packed'); load the target with experts='dequantize' to save it")
     prefix = EXPORT_PREFIXES.get(config.model_type, "model.")
     mirror = target_key_of(prefix)
     tensors = params_to_tensors(unflatten({path: leaf for path, leaf in flatten(params).items()

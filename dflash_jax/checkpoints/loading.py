@@ -11,7 +11,7 @@ import numpy as np
 
 from dflash_jax import sharding
 from dflash_jax.checkpoints import orbax_io
-from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target, with_mxfp4
+from dflash_jax.checkpoints.hf_target import abstract_target_params, load_target, with_packed_experts
 from dflash_jax.checkpoints.hub import TOKENIZER_FILES, resolve_checkpoint
 from dflash_jax.checkpoints.official_draft import abstract_draft_params, load_draft
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, flatten
@@ -83,26 +83,26 @@ def restore_orbax(path: str | Path, kind: str, dtype: Any = None) -> tuple[Targe
 
 def load_target_any(path: str | Path, dtype: Any = "float32", progress: bool = False, mesh: Any = None,
                     missing: str = "--target", revision: str | None = None,
-                    mxfp4: str = "dequantize") -> tuple[TargetConfig, dict]:
+                    experts: str = "dequantize") -> tuple[TargetConfig, dict]:
     """A target from a Hugging Face directory, an Orbax checkpoint or a Hugging Face Hub id (at ``revision``;
     ``dflash_jax.checkpoints.hub``). With a ``mesh`` the params land in their rule shardings
     (``dflash_jax.sharding``): a Hugging Face directory is read tensor by tensor and each device receives only
-    its slice (no full copy per device). ``missing`` names the argument in errors. ``mxfp4``: gpt-oss's MXFP4
-    experts decoded at load ("dequantize") or kept packed ("packed", Hugging Face directories only;
-    ``hf_target.load_target``)."""
+    its slice (no full copy per device). ``missing`` names the argument in errors. ``experts``: quantised
+    expert weights (MXFP4, FP8, INT4) decoded at load ("dequantize") or kept packed ("packed", Hugging Face
+    directories only; ``hf_target.load_target``)."""
     path = resolve_checkpoint(path, revision, missing)
     if orbax_io.is_orbax_dir(path):
-        if mxfp4 != "dequantize":
-            raise CheckpointError(f"{path}: an Orbax checkpoint holds float experts; mxfp4={mxfp4!r} needs the "
-                                  "released gpt-oss Hugging Face directory")
+        if experts != "dequantize":
+            raise CheckpointError(f"{path}: an Orbax checkpoint holds float experts; experts={experts!r} needs the "
+                                  "released (quantised) Hugging Face directory")
         config, params = restore_orbax(path, "target", dtype)
         return config, params if mesh is None else jax.device_put(params, sharding.tree_shardings(params, mesh))
     if mesh is None:
-        return load_target(path, dtype=dtype, progress=progress, mxfp4=mxfp4)
+        return load_target(path, dtype=dtype, progress=progress, experts=experts)
     if not path.is_dir():
         raise CheckpointError(f"{path}: target checkpoint directory not found ({missing})")
     # the shardings are needed before the tensors
-    config = with_mxfp4(TargetConfig.from_json(path / "config.json"), mxfp4, str(path))
+    config = with_packed_experts(TargetConfig.from_json(path / "config.json"), experts, str(path))
     shardings = sharding.tree_shardings(abstract_target_params(config, resolve_dtype(dtype)), mesh)
 
     def place(param_path: tuple[str, ...], host: np.ndarray) -> jax.Array:
@@ -111,7 +111,7 @@ def load_target_any(path: str | Path, dtype: Any = "float32", progress: bool = F
             s = s[k]
         return sharding.place(host, s)
 
-    return load_target(path, dtype=dtype, progress=progress, place=place, mxfp4=mxfp4)
+    return load_target(path, dtype=dtype, progress=progress, place=place, experts=experts)
 
 
 def load_draft_any(path: str | Path, dtype: Any = "float32", progress: bool = False, what: str = "--ckpt",

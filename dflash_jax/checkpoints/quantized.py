@@ -314,7 +314,8 @@ def fp8_grid(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int
     return tuple(shape[:-2]) + (_ceil_div(shape[-2], block[0]), _ceil_div(shape[-1], block[1]))
 
 
-def _scale_values(reader: Reader, scale_key: str, scheme: Fp8Scheme) -> np.ndarray:
+def scale_values(reader: Reader, scale_key: str, scheme: Fp8Scheme) -> np.ndarray:
+    """An FP8 scale tensor as float32 (E8M0 exponent bytes converted; their NaN code refused)."""
     f = reader.key_to_file[scale_key]
     dtype = reader.stored_dtype_name(scale_key)
     if dtype in ("F32", "F16", "BF16", "F64"):
@@ -346,7 +347,7 @@ def dequantize_fp8(reader: Reader, key: str, scheme: Fp8Scheme, out_dtype: Any =
         raise QuantizationError(
             f"{reader.key_to_file[scale_key]}: tensor {scale_key!r} has shape {list(got)}, expected {list(want)}: "
             f"the scale grid of {key!r} {list(shape)} {what}")
-    scale = _scale_values(reader, scale_key, scheme)
+    scale = scale_values(reader, scale_key, scheme)
     codes = np.asarray(reader.get_stored(key)).view(np.uint8)
     if ((codes & 0x7F) == 0x7F).any():
         raise QuantizationError(f"{f}: FP8 tensor {key!r} holds the e4m3 NaN code (0x7F / 0xFF)")

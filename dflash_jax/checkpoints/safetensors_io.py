@@ -244,13 +244,15 @@ class Derived:
     """A parameter built from stored tensors by more than a transpose (stacked per-expert weights, a fused
     gate/up split, MXFP4 blocks and scales decoded): ``build(arrays) -> param`` from ``keys`` in order, each
     with its expected stored ``shapes`` (checked from the header before any data is read) and dtype class
-    (``"float"`` or ``"uint8"``). ``name`` is what an error calls the parameter."""
+    (``"float"``, ``"uint8"``, or ``"raw"``: any dtype, checked by ``read``). ``name`` is what an error calls
+    the parameter. ``read(key)``: how to read one tensor (default ``SafetensorsDir.get``, which dequantises)."""
 
     keys: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     build: Callable[[list[np.ndarray]], np.ndarray]
     dtypes: tuple[str, ...] = ()  # per key; empty = all "float"
     name: str = ""
+    read: Callable[[str], np.ndarray] | None = None
 
 
 def _check_stored(source: "SafetensorsDir", key: str, want: tuple[int, ...], kind: str) -> None:
@@ -258,6 +260,8 @@ def _check_stored(source: "SafetensorsDir", key: str, want: tuple[int, ...], kin
     if stored_shape != tuple(want):
         raise CheckpointError(f"{source.file_of(key)}: tensor {source.describe(key)} has shape {list(stored_shape)}, "
                               f"expected {list(want)}")
+    if kind == "raw":  # the rule's reader checks the dtype
+        return
     stored_dtype = source.dtype_name(key)
     allowed = FLOAT_DTYPES if kind == "float" else ("U8",)
     if stored_dtype not in allowed:  # casting integers or booleans would make a silently wrong model
@@ -304,7 +308,7 @@ def load_params(
                 continue
             for k, shape, kind in zip(key.keys, key.shapes, key.dtypes or ("float",) * len(key.keys)):
                 _check_stored(source, k, shape, kind)
-            arr = np.asarray(key.build([source.get(k) for k in key.keys]))
+            arr = np.asarray(key.build([(key.read or source.get)(k) for k in key.keys]))
             if arr.shape != tuple(leaf.shape):  # a rule's own mistake, not the checkpoint's
                 raise AssertionError(f"{key.name or key.keys[0]}: built {arr.shape}, expected {tuple(leaf.shape)}")
             arr = arr.astype(dtype or arr.dtype, copy=False)

@@ -167,13 +167,13 @@ def cut_target(target: TargetConfig, draft: DraftConfig, layers: int) -> tuple[T
 
 
 def preset_configs(name: str, block_size: int | None = None, draft_layers: int | None = None,
-                   target_layers: int | None = None, mxfp4: str = "dequantize") -> tuple[TargetConfig, DraftConfig]:
+                   target_layers: int | None = None, experts: str = "dequantize") -> tuple[TargetConfig, DraftConfig]:
     target, draft = _preset_configs(name, block_size, draft_layers, target_layers)
-    if mxfp4 != "dequantize":
-        from dflash_jax.checkpoints.expert_layouts import with_mxfp4
+    if experts != "dequantize":
+        from dflash_jax.checkpoints.expert_layouts import with_packed_experts
 
         try:
-            target = with_mxfp4(target, mxfp4, source=f"preset {name}")
+            target = with_packed_experts(target, experts, source=f"preset {name}")
         except Exception as e:  # a CheckpointError about a checkpoint reads as a usage error here
             raise UserError(str(e)) from None
     return target, draft
@@ -222,8 +222,8 @@ def _preset_configs(name: str, block_size: int | None = None, draft_layers: int 
 
 def preset_models(name: str, block_size: int | None = None, dtype: Any = jnp.float32, seed: int = 0,
                   draft_layers: int | None = None, target_layers: int | None = None,
-                  mxfp4: str = "dequantize") -> tuple[TargetConfig, dict, DraftConfig, dict]:
-    target, draft = preset_configs(name, block_size, draft_layers, target_layers, mxfp4)
+                  experts: str = "dequantize") -> tuple[TargetConfig, dict, DraftConfig, dict]:
+    target, draft = preset_configs(name, block_size, draft_layers, target_layers, experts)
     if block_size is not None and not 2 <= block_size <= draft.block_size:
         raise UserError(f"block_size {block_size} must be between 2 and the draft's block_size {draft.block_size}")
     target_params = random_params(abstract_target_params(target, dtype), seed,

@@ -298,9 +298,13 @@ class ExpertsConfig:
     norm_eps: float = 0.0
     # How the routed experts' weights live on the device. "float": ``experts/{gate,up,down}_proj`` in the compute
     # dtype. "mxfp4": kept packed as gpt-oss stores them (``experts/*_proj_blocks`` / ``_scales``, uint8, 4.25 bits
-    # per weight; ``models/mxfp4``) and decoded inside the layer's computation. Not part of the Hugging Face
-    # config: chosen at load (``load_target(..., mxfp4="packed")``, ``python -m infer --mxfp4 packed``).
+    # per weight; ``models/mxfp4``) and decoded inside the layer's computation. "fp8" / "int4": block-scaled FP8
+    # or packed INT4 codes with their scales as the checkpoint stores them (``experts/*_proj_qweight`` /
+    # ``_qscale``; ``models/quantized_experts``), one scale per ``weight_block`` (bn, bk) of a row-first
+    # [out, in] weight (INT4: (1, group)). Not part of the Hugging Face config: chosen at load
+    # (``load_target(..., experts="packed")``, ``python -m infer --experts packed``).
     weight_format: str = "float"
+    weight_block: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,6 +454,10 @@ class TargetConfig:
     # KV heads than the mesh's tensor axis still splits its cache over it (``sharding.kv_replicas``; the
     # engine sets it). The projections are unchanged; the copies are made after them.
     kv_replicas: int = 1
+    # How the checkpoint stores its weights, from config.json's ``quantization_config`` (a
+    # ``checkpoints/quantized`` scheme: block-scaled FP8 or packed INT4; None for float weights and for gpt-oss's
+    # MXFP4, which its expert layout says): what ``--experts packed`` keeps on the device.
+    quantization: Any = None
 
     def is_expert_layer(self, i: int) -> bool:
         return i in self.expert_layers
@@ -486,6 +494,7 @@ class TargetConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "config") -> "TargetConfig":
+        raw, raw_source = cfg, source
         cfg, source = _text_config(cfg, source)
         model_type = cfg.get("model_type")
         if model_type not in FAMILIES:
@@ -518,6 +527,7 @@ class TargetConfig:
             eos_token_ids=token_ids_field(cfg, "eos_token_id", source, vocab),
         )
         base.update(read_family(cfg, source, num_layers))
+        base["quantization"] = _quantization_scheme(raw, raw_source, model_type)
         return cls(**base)
 
     @classmethod
@@ -1216,6 +1226,20 @@ def _deepseek_v3_to_hf(config: "TargetConfig", out: dict[str, Any]) -> dict[str,
 NESTED_TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "gemma4": "gemma4_text",
                        "gemma4_unified": "gemma4_unified_text", "muse_glimmer": MUSE_GLIMMER_TEXT,
                        "kimi_k25": "kimi_k2"}
+
+
+def _quantization_scheme(cfg: Mapping[str, Any], source: str, model_type: str) -> Any:
+    """The weight quantisation a config.json declares (its own ``quantization_config`` or its text config's), as
+    ``checkpoints/quantized`` parses it; None for float weights. An unsupported method is its
+    ``QuantizationError`` naming the file and the field."""
+    from dflash_jax.checkpoints import quantized  # numpy only; imported here to keep models free of checkpoints
+
+    if not isinstance(cfg, Mapping):
+        return None
+    q = quantized.quantization_config_of(cfg)
+    if q is None:
+        return None
+    return quantized.parse_scheme(q, source, model_type)
 
 
 def _text_config(cfg: Mapping[str, Any], source: str) -> tuple[Mapping[str, Any], str]:

@@ -38,7 +38,9 @@ them (``models/mxfp4``: uint8, 4.25 bits per weight), rows = output features:
 [E, H, I/32, 16]`` + ``_scales [E, H, I/32]`` (biases stay float). ``ExpertWeights`` declares them and returns
 a ``StackedExperts`` that decodes inside the traced layer, lazily per path: ``all()`` (dense, grouped) decodes
 every expert to ``[E, in, out]`` as the float params are; ``gathered`` / ``expert`` (routed) decode only the
-experts of the routed pairs.
+experts of the routed pairs. ``weight_format`` "fp8" / "int4" (block-scaled FP8, packed INT4: DeepSeek-V3,
+Kimi K2.5-K2.7, GLM-5.1-FP8, MiniMax-M2) keeps the checkpoint's codes and scales the same way,
+``experts/{proj}_qweight`` + ``_qscale`` (``models/quantized_experts``), decoded by the same lazy paths.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.models import mxfp4
+from dflash_jax.models import mxfp4, quantized_experts
 from dflash_jax.models.config import ExpertsConfig
 from dflash_jax.models.layers import ACTIVATIONS, MLP, RMSNorm, float32_dot_general
 from dflash_jax.platform import current_platform
@@ -192,14 +194,21 @@ def activate(gate: jax.Array, up: jax.Array, cfg: ExpertsConfig) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class StackedExperts:
-    """One layer's expert params as declared (float ``[E, in, out]``, or packed MXFP4 blocks and scales, plus
+    """One layer's expert params as declared (float ``[E, in, out]``; packed MXFP4 blocks and scales; FP8 or
+    INT4 codes and scales, ``fmt`` and ``block`` as ``ExpertsConfig.weight_format`` / ``weight_block``; plus
     gpt-oss's biases), decoded to ``dtype`` on demand by the path that uses them: ``all()`` every expert,
     ``gathered`` / ``expert`` only the experts the routed path asks for."""
 
     params: Mapping[str, jax.Array]
-    packed: bool
+    fmt: str
     dtype: Any
     name: str | None = None
+    block: tuple[int, int] | None = None
+
+    @property
+    def packed(self) -> bool:
+        """Whether the weights are kept quantised (decoded inside the layer, rows first)."""
+        return self.fmt != "float"
 
     def after(self, x: jax.Array) -> "StackedExperts":
         """These params, made to wait for ``x`` (the layer's input) through an optimization barrier. Packed
@@ -212,38 +221,45 @@ class StackedExperts:
         params, _ = jax.lax.optimization_barrier((dict(self.params), x))
         return dataclasses.replace(self, params=params)
 
-    def _each(self, packed, plain) -> dict[str, jax.Array]:
-        """Per projection: ``packed(blocks, scales, name)`` for MXFP4 blocks and their scales, else
+    def _each(self, rows, plain) -> dict[str, jax.Array]:
+        """Per projection: ``rows(codes, scales, name)`` for quantised weights (MXFP4 ``_blocks`` /
+        ``_scales``, FP8 / INT4 ``_qweight`` / ``_qscale``), decoded rows first ``[..., out, in]``, else
         ``plain(value)``; results in ``dtype``, keyed by projection."""
         out = {}
         for name, value in self.params.items():
-            if name.endswith("_scales"):
+            if name.endswith(("_scales", "_qscale")):
                 continue
-            if name.endswith("_blocks"):
-                proj = name[: -len("_blocks")]
-                out[proj] = packed(value, self.params[f"{proj}_scales"], f"{self.name}/{proj}")
+            for codes, scales in (("_blocks", "_scales"), ("_qweight", "_qscale")):
+                if name.endswith(codes):
+                    proj = name[: -len(codes)]
+                    out[proj] = rows(value, self.params[proj + scales], f"{self.name}/{proj}")
+                    break
             else:
                 out[name] = plain(value).astype(self.dtype)
         return out
 
+    def _decode_rows(self, codes, scales, name, ids=None):
+        if self.fmt == "mxfp4":
+            return mxfp4.dequantize_rows_jax(codes, scales, self.dtype, ids=ids, name=name)
+        return quantized_experts.decode_rows(self.fmt, self.block, codes, scales, self.dtype, ids=ids)
+
     def all(self) -> dict[str, jax.Array]:
         """Every expert's weights ``[E, in, out]`` and biases ``[E, width]`` in ``dtype`` (packed: all decoded;
         the decoded copy is a temporary of this layer, about one layer's experts alive at a time)."""
-        return self._each(lambda b, s, name: mxfp4.dequantize_jax(b, s, self.dtype, name=name), lambda v: v)
+        return self._each(lambda c, s, name: jnp.swapaxes(self._decode_rows(c, s, name), -1, -2), lambda v: v)
 
     def gathered(self, ids: jax.Array) -> dict[str, jax.Array]:
         """The weights and biases of the experts ``ids`` (any shape ``S``; repeats gathered again), in ``dtype``:
-        ``[*S, in, out]``, packed ``[*S, out, in]`` (rows first, as stored: the uint8 blocks and scales of those
+        ``[*S, in, out]``, packed ``[*S, out, in]`` (rows first, as stored: the codes and scales of those
         experts are gathered, then only they are decoded); biases ``[*S, width]``. ``matvec`` takes either."""
-        return self._each(lambda b, s, name: mxfp4.dequantize_rows_jax(b, s, self.dtype, ids=ids, name=name),
+        return self._each(lambda c, s, name: self._decode_rows(c, s, name, ids=ids),
                           lambda v: jnp.take(v, ids, axis=0, mode="clip"))
 
     def expert(self, index: jax.Array) -> dict[str, jax.Array]:
         """One expert's weights and biases (``index``: a traced scalar), by dynamic slicing: ``gathered`` of a
         single id without a gather (XLA:CPU copies gathered slices; a dynamic slice is read in place)."""
         one = lambda v: jax.lax.dynamic_index_in_dim(v, index, keepdims=True)  # noqa: E731
-        return self._each(lambda b, s, name: mxfp4.dequantize_rows_jax(one(b), one(s), self.dtype, name=name)[0],
-                          lambda v: one(v)[0])
+        return self._each(lambda c, s, name: self._decode_rows(one(c), one(s), name)[0], lambda v: one(v)[0])
 
     def matvec(self, rows: jax.Array, w: jax.Array) -> jax.Array:
         """``rows[..., :] @ W[...]`` for weights from ``gathered`` / ``expert`` (``[..., in]`` -> ``[..., out]``)."""
@@ -335,8 +351,9 @@ COMPUTE = {"dense": dense_experts, "grouped": grouped_experts, "routed": routed_
 
 
 class ExpertWeights(nn.Module):
-    """Declares the stacked expert params (float ``[E, in, out]``, or with ``config.weight_format ==
-    "mxfp4"`` packed uint8 blocks and scales; gpt-oss's biases) and returns them as a ``StackedExperts``
+    """Declares the stacked expert params (float ``[E, in, out]``; with ``config.weight_format`` "mxfp4"
+    packed uint8 blocks and scales, "fp8" / "int4" codes and scales; gpt-oss's biases) and returns them as a
+    ``StackedExperts``
     whose paths decode them to ``dtype`` inside the traced layer. The param tree (names, shapes, dtypes) is
     what checkpoints and ``dflash_jax.sharding``'s rules expect."""
 
@@ -350,17 +367,20 @@ class ExpertWeights(nn.Module):
         e, i = cfg.num_experts, cfg.intermediate_size
         if cfg.weight_format == "mxfp4":
             p = self._packed(e, h, i)
+        elif cfg.weight_format in quantized_experts.FORMATS:
+            p = self._quantized(e, h, i)
         elif cfg.weight_format == "float":
             init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
             p = {"gate_proj": self.param("gate_proj", init, (e, h, i), self.dtype),
                  "up_proj": self.param("up_proj", init, (e, h, i), self.dtype),
                  "down_proj": self.param("down_proj", init, (e, i, h), self.dtype)}
         else:
-            raise ValueError(f"expert weight_format must be 'float' or 'mxfp4', got {cfg.weight_format!r}")
+            raise ValueError(f"expert weight_format must be 'float', 'mxfp4', 'fp8' or 'int4', got "
+                             f"{cfg.weight_format!r}")
         if cfg.expert_bias:
             for name, width in (("gate_proj_bias", i), ("up_proj_bias", i), ("down_proj_bias", h)):
                 p[name] = self.param(name, nn.initializers.zeros, (e, width), self.dtype)
-        return StackedExperts(p, cfg.weight_format == "mxfp4", self.dtype, self.name)
+        return StackedExperts(p, cfg.weight_format, self.dtype, self.name, cfg.weight_block)
 
     def _packed(self, e: int, h: int, i: int) -> dict[str, jax.Array]:
         """The MXFP4 params (uint8; zeros at init, i.e. all-zero weights: real values come from a checkpoint).
@@ -377,6 +397,20 @@ class ExpertWeights(nn.Module):
             scales = self.param(f"{name}_scales", nn.initializers.zeros, scales_shape, jnp.uint8)
             mxfp4.check_packed(blocks, scales, name=f"{self.name}/{name}")
             out[f"{name}_blocks"], out[f"{name}_scales"] = blocks, scales
+        return out
+
+    def _quantized(self, e: int, h: int, i: int) -> dict[str, jax.Array]:
+        """FP8 / INT4 codes and scales (zeros at init: real values come from a checkpoint), rows first."""
+        fmt, block = self.config.weight_format, self.config.weight_block
+        codes_dtype, scales_dtype = quantized_experts.param_dtypes(fmt)
+        out = {}
+        for name, (inn, width) in (("gate_proj", (h, i)), ("up_proj", (h, i)), ("down_proj", (i, h))):
+            quantized_experts.check_block(fmt, block, width, inn, f"{self.name}/{name}")
+            out[f"{name}_qweight"] = self.param(f"{name}_qweight", nn.initializers.zeros,
+                                                quantized_experts.qweight_shape(fmt, e, width, inn), codes_dtype)
+            out[f"{name}_qscale"] = self.param(f"{name}_qscale", nn.initializers.zeros,
+                                               quantized_experts.qscale_shape(fmt, block, e, width, inn),
+                                               scales_dtype)
         return out
 
 
@@ -467,7 +501,7 @@ def recording_reads():
 def _note_reads(path: str, num_tokens: int, cfg: ExpertsConfig, experts: StackedExperts) -> None:
     """Record what this layer's path reads: ``routed`` one expert per (token, k) pair; ``grouped`` over float
     weights only the experts some token is routed to, at most ``min(pairs, E)`` (the grouped matmul's tiles
-    follow the groups: an expert with no rows is never read); ``dense``, and ``grouped`` over packed MXFP4
+    follow the groups: an expert with no rows is never read); ``dense``, and ``grouped`` over packed weights
     (``StackedExperts.all`` decodes every expert first), all ``E``."""
     reads = _READS.get()
     if reads is None:

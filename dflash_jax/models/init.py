@@ -13,9 +13,11 @@ from dflash_jax.models.dflash2 import identity_conv_init
 
 
 def _draw(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) -> jax.Array:
-    """N(0, std^2) in ``dtype``, or uniform random bytes for an integer ``dtype`` (MXFP4 codes; ``std`` unused)."""
-    if jnp.issubdtype(dtype, jnp.integer):
-        return jax.random.bits(key, shape, dtype)
+    """N(0, std^2) in ``dtype``, or uniform random bytes for an integer ``dtype`` (MXFP4 codes, INT4 words;
+    ``std`` unused)."""
+    if jnp.issubdtype(dtype, jnp.integer):  # (INT4 words: int32, the bits of uint32 ones)
+        bits = jax.random.bits(key, shape, jnp.dtype(f"uint{jnp.dtype(dtype).itemsize * 8}"))
+        return jax.lax.bitcast_convert_type(bits, dtype)
     return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
 
 
@@ -50,6 +52,10 @@ def _draw_on_device(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax
     return buf
 
 
+def _keys(path) -> tuple[str, ...]:
+    return tuple(getattr(k, "key", str(k)) for k in path)
+
+
 def _is_zero_centered_norm(path, final_norm_plain: bool = False) -> bool:
     """A zero-centred RMSNorm's weight (hybrid targets and Muse Glimmer scale by ``1 + w``), i.e. every norm
     weight but the Gated DeltaNet's output norm (``linear_attn/norm``, a plain scale) and, with
@@ -66,7 +72,7 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
     router scales) are one, biases zero,
     DFlash2 convolution base kernels the identity,
     embeddings N(0, 1), linear kernels ``[in, out]`` N(0, 1/in) (packed MXFP4 experts: random codes at
-    scale 2^-5), or N(0, std^2) when ``std`` is given (0.02 is
+    scale 2^-5; FP8 / INT4 experts: random codes, scales that make the weights about N(0, 1/in)), or N(0, std^2) when ``std`` is given (0.02 is
     Hugging Face's ``initializer_range``, a new draft's start). Unit-scale activations keep greedy choices
     well separated in speed runs and tests. ``zero_centered_norms`` (a hybrid target's
     ``TargetConfig.zero_centered_norms``): its norm weights start at zero, the identity of ``1 + w``, but the final
@@ -75,6 +81,7 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
     host copy, leaves of more than ``DEVICE_SLICE`` elements a slice of rows at a time (so building peaks at
     about the params' own size)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    leaf_of = {_keys(path): leaf for path, leaf in leaves}
     on_host = sum(int(np.prod(leaf.shape)) for _, leaf in leaves) <= HOST_INIT_LIMIT
     rng = np.random.default_rng(seed)
     key = jax.random.PRNGKey(seed)
@@ -82,7 +89,20 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
     for i, (path, leaf) in enumerate(leaves):
         name = getattr(path[-1], "key", "")
         shape, dtype = tuple(leaf.shape), leaf.dtype
-        if jnp.issubdtype(dtype, jnp.integer):  # MXFP4 experts (models/mxfp4): random codes, scale 2^-5
+        if name.endswith("_qscale"):  # FP8 / INT4 experts (models/quantized_experts): N(0, 1/in) weights
+            codes = leaf_of[_keys(path)[:-1] + (name[: -len("_qscale")] + "_qweight",)]
+            int4 = jnp.issubdtype(codes.dtype, jnp.integer)
+            fan_in = codes.shape[-1] * (8 if int4 else 1)
+            spread = 4.6 if int4 else 1.0  # the codes' spread: INT4 uniform over -8..7, FP8 drawn N(0, 1)
+            out.append(jnp.full(shape, fan_in ** -0.5 / spread, dtype))
+        elif name.endswith("_qweight"):  # INT4 words (random nibbles) or FP8 codes N(0, 1)
+            if on_host and int(np.prod(shape)) and jnp.issubdtype(dtype, jnp.integer):
+                out.append(jnp.asarray(rng.integers(-2**31, 2**31, shape, dtype=np.int64).astype(np.int32)))
+            elif on_host:
+                out.append(jnp.asarray(rng.standard_normal(shape, np.float32), dtype))
+            else:
+                out.append(_draw_on_device(jax.random.fold_in(key, i), shape, dtype, jnp.float32(1)))
+        elif jnp.issubdtype(dtype, jnp.integer):  # MXFP4 experts (models/mxfp4): random codes, scale 2^-5
             if not name.endswith("_blocks"):
                 out.append(jnp.full(shape, 122, dtype))
             elif on_host:

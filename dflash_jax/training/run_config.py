@@ -28,8 +28,10 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
                                    "HF_HUB_OFFLINE=1 reads it alone; a local path of the same name wins)"),
         "revision": (None, (str,), "with a Hub id as target.path: its branch, tag or commit instead of main"),
         "tokenizer": (None, (str,), "tokenizer directory or Hub id (default: the target's own)"),
-        "mxfp4": ("dequantize", (str,), "gpt-oss MXFP4 experts: dequantize at load, or packed (kept as 4.25-bit "
-                                        "blocks on the devices, decoded inside each expert layer)"),
+        "experts": ("dequantize", (str,), "quantised expert weights (gpt-oss's MXFP4, block FP8, Kimi's INT4): "
+                                          "dequantize at load, or packed (kept as stored on the devices, decoded "
+                                          "inside each expert layer)"),
+        "mxfp4": (None, (str,), "the older name of target.experts"),
     },
     "draft": {
         "init": (None, (str,), "an existing draft (official directory, Orbax or Hub id) to fine-tune instead of a "
@@ -187,8 +189,13 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
     if train["global_batch"] % train["accum_steps"]:
         raise ConfigError(f"{source}: train.global_batch {train['global_batch']} is not divisible by "
                           f"train.accum_steps {train['accum_steps']}")
-    if out["target"]["mxfp4"] not in ("dequantize", "packed"):
-        raise ConfigError(f"{source}: target.mxfp4 must be dequantize or packed, got {out['target']['mxfp4']!r}")
+    if out["target"]["mxfp4"] is not None:  # the older name of target.experts
+        if "experts" in (raw.get("target") or {}):
+            raise ConfigError(f"{source}: target.mxfp4 is the older name of target.experts; give one of them")
+        out["target"]["experts"] = out["target"]["mxfp4"]
+    if out["target"]["experts"] not in ("dequantize", "packed"):
+        raise ConfigError(f"{source}: target.experts must be dequantize or packed, got "
+                          f"{out['target']['experts']!r}")
     if out["train"]["dtype"] not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"{source}: train.dtype must be auto, float32 or bfloat16, got {train['dtype']!r}")
     if train["loss"] not in LOSSES:

@@ -234,7 +234,7 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
     # A Hub id becomes its cached snapshot directory once, here (dflash_jax.checkpoints.hub).
     target_path = resolve_checkpoint(cfg["target"]["path"], cfg["target"]["revision"], "target.path")
     target_config, target_params = load_target_any(target_path, dtype, mesh=mesh, missing="target.path",
-                                                   mxfp4=cfg["target"]["mxfp4"])
+                                                   experts=cfg["target"]["experts"])
     draft_config, init_params = build_draft_config(cfg, target_config)
     tokenizer = load_tokenizer(cfg["target"]["tokenizer"] or tokenizer_dir(target_path), what="target.tokenizer")
     stop_tokens = stop_tokens_of(target_config, tokenizer, tokenizer_dir(target_path))
