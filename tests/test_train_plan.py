@@ -73,6 +73,7 @@ def test_fsdp_shards_what_data_parallel_replicates(plans):
     (["--pairing", "no-such-pairing", "--mesh", "data=8"], "no such pairing"),
     ([*TINY[:2], "--mesh", "fsdp=8"], "--cpu-devices 8"),
     ([*TINY, "--mesh", "data=8", "--global-batch", "4"], "not divisible"),
+    (["--pairing", "qwen3-8b-dflash-b16", "--experts", "packed", "--mesh", "data=8"], "has no experts"),
 ])
 def test_bad_input_is_one_error_line(args, message):
     proc = _start(args)

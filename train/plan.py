@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="device mesh, e.g. data=1,fsdp=8 or fsdp=4,tensor=2 (one axis may be -1); "
                              "default: the run config's mesh, or every device on 'data' (with --device: one "
                              "device, or every chip of a TPU topology)")
+    parser.add_argument("--experts", choices=("dequantize", "packed"),
+                        help="the frozen target's quantised experts (gpt-oss's MXFP4, block FP8, Kimi's INT4) "
+                             "kept as stored on the devices ('packed') or dequantised at load (default; with "
+                             "--config, its target.experts)")
     parser.add_argument("--global-batch", type=int, metavar="G", help="sequences per optimizer step (default 8)")
     parser.add_argument("--seq-len", type=int, metavar="L", help="tokens per sequence (default 3072)")
     parser.add_argument("--num-anchors", type=int, metavar="A", help="anchors per sequence (default 512)")
@@ -138,6 +142,7 @@ def _settings(args: argparse.Namespace) -> dict:
 
         pairing = load_pairing(args.pairing)
         name, target, draft = pairing.name, pairing.target, pairing.draft
+        packed = args.experts == "packed"
         base = dict(PAPER, mesh=None, gamma=None, optimizer={}, loss="ce", kl_weight=0.5)
     else:
         from dflash_jax.training.run_config import load_run_config
@@ -150,13 +155,10 @@ def _settings(args: argparse.Namespace) -> dict:
             overrides.append(f"draft.block_size={args.block_size}")
         cfg = load_run_config(args.config, overrides)
         target = _target_config_of(cfg["target"]["path"], cfg["target"]["revision"])
-        if cfg["target"]["experts"] == "packed":  # plan the frozen target with its experts kept quantised
-            from dflash_jax.checkpoints.expert_layouts import with_packed_experts
-
-            target = with_packed_experts(target, "packed", cfg["target"]["path"])
+        packed = (args.experts or cfg["target"]["experts"]) == "packed"
+        name = args.config
         draft = _draft_config_of(cfg, target)
         t = cfg["train"]
-        name = args.config
         base = {"global_batch": t["global_batch"], "seq_len": cfg["data"]["max_length"],
                 "num_anchors": t["num_anchors"], "anchor_chunk": t["anchor_chunk"], "accum_steps": t["accum_steps"],
                 "dtype": t["dtype"], "mesh": cfg["mesh"],
@@ -183,6 +185,10 @@ def _settings(args: argparse.Namespace) -> dict:
         s["dtype"] = "bfloat16"  # what 'fit' computes in on an accelerator, the machine a plan is for
     if s["gamma"] is None:
         s["gamma"] = DEFAULT_GAMMAS.get(draft.block_size, 7.0)  # the decay does not change shapes
+    if packed:  # plan the frozen target with its experts kept quantised
+        from dflash_jax.checkpoints.expert_layouts import with_packed_experts
+
+        target = with_packed_experts(target, "packed", name)
     s.update(name=name, target=target, draft=draft)
     return s
 

@@ -456,8 +456,9 @@ class TargetConfig:
     kv_replicas: int = 1
     # How the checkpoint stores its weights, from config.json's ``quantization_config`` (a
     # ``checkpoints/quantized`` scheme: block-scaled FP8 or packed INT4; None for float weights and for gpt-oss's
-    # MXFP4, which its expert layout says): what ``--experts packed`` keeps on the device.
-    quantization: Any = None
+    # MXFP4, which its expert layout says): what ``--experts packed`` keeps on the device. Not compared: it
+    # says how the weights were stored, not what the model computes (``experts.weight_format`` says how they live).
+    quantization: Any = dataclasses.field(default=None, compare=False)
 
     def is_expert_layer(self, i: int) -> bool:
         return i in self.expert_layers
