@@ -54,7 +54,7 @@ fi
 # H200 of 2026-12-04 took ~100 s for Qwen3-8B's speed run, over a minute of it building and compiling).
 ALL_SHAPES=(
   "qwen3-8b 130 --preset qwen3-8b"
-  "gpt-oss-120b-packed 130 --preset gpt-oss-120b --target-layers 6 --mxfp4 packed"
+  "gpt-oss-120b-packed 130 --preset gpt-oss-120b --target-layers 6 --experts packed"
   "qwen3-coder-30b-a3b 110 --preset qwen3-coder-30b-a3b --target-layers 6"
   "qwen3.5-35b-a3b 110 --preset qwen3.5-35b-a3b --target-layers 8"
 )
