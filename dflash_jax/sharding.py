@@ -82,8 +82,8 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     # FP8 / INT4 experts kept quantised (models/quantized_experts): codes [E, out, in or in/8] and scales
     # [E, out/bn, in/bk], rows first, split like the float weights they decode to (gate/up [E, H, I] over
     # (embed, mlp), so their rows I over tensor and inputs H over fsdp; down the other way round). Codes and
-    # scales split alike: with 128 x 128 blocks (or INT4 groups of 32) every shard of a released model's sizes
-    # holds whole blocks, so each device decodes its own slice.
+    # scales split alike (``tree_shardings`` gives the codes their scales' split), so every device holds whole
+    # blocks and decodes its own slice; a grid dimension the mesh does not divide is whole on every device.
     (r"experts/(gate|up)_proj_(qweight|qscale)$", ("experts", "mlp", "embed")),
     (r"experts/down_proj_(qweight|qscale)$", ("experts", "embed", "mlp")),
     (r"shared_expert_gate/kernel$", ("embed", None)),
@@ -207,12 +207,21 @@ def _path_str(path) -> str:
 def tree_shardings(tree: Any, mesh: Mesh) -> Any:
     """NamedShardings for a params tree or a whole train state (real or abstract arrays): every leaf that a
     rule matches (params, and the optimizer's moments, whose paths end like the params') is sharded like its
-    parameter; scalars and the RNG key replicate."""
+    parameter; scalars and the RNG key replicate. Quantised expert codes (``*_qweight``) are split exactly as
+    their scales (``*_qscale``) are: a code dimension is a whole multiple of its scale-grid dimension, and
+    splitting the codes where the grid does not divide (MiniMax-M2's 12 blocks of 128 over tensor=8) would
+    leave each device a part of a block whose scale it lacks, so XLA would gather the decoded weights."""
+    shapes = {_path_str(path): np.shape(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
     def one(path, leaf):
         shape, name = np.shape(leaf), _path_str(path)
         if len(shape) <= 1 and not any(re.search(p, name) for p, _ in PARAM_RULES):
             return replicated(mesh)
-        return NamedSharding(mesh, spec_for(shape, logical_axes(name, len(shape)), mesh))
+        axes = logical_axes(name, len(shape))
+        scale = name[:-len("qweight")] + "qscale" if name.endswith("_qweight") else None
+        if scale in shapes and len(shapes[scale]) == len(shape):
+            return NamedSharding(mesh, spec_for(shapes[scale], axes, mesh))
+        return NamedSharding(mesh, spec_for(shape, axes, mesh))
 
     return jax.tree_util.tree_map_with_path(one, tree)
 

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.checkpoints.hf_target import load_target
+from dflash_jax.models.config import TargetConfig
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, SafetensorsDir
 
 torch = pytest.importorskip("torch")
@@ -374,6 +375,9 @@ def test_unsupported_quantization_configs_name_config_json(tiny, tmp_path, qc, m
     dst = write_checkpoint(tmp_path / "q", {**config_of(src), "quantization_config": qc}, stored(src))
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(dst))}/config\.json: quantization_config.*{message}"):
         load_target(dst)
+    # the config alone still describes the model (plans and layouts read no weights); the error waits in it
+    config = TargetConfig.from_json(dst / "config.json")
+    assert re.search(message, config.quantization.error) and config == TargetConfig.from_json(src / "config.json")
 
 
 def test_bad_quantized_tensors_name_file_and_key(tiny, qwen3_fp8, tmp_path):

@@ -18,6 +18,7 @@ References, independent of the code under test:
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -221,6 +222,22 @@ def test_shardings_keep_whole_blocks_per_device():
             assert all((d // n) % u == 0 for d, n, u in zip(codes.shape, per, unit)), (name, proj, codes.shape)
 
 
+def test_codes_split_as_their_scales_where_the_grid_does_not_divide():
+    """MiniMax-M2.5's FP8 experts (intermediate 1536: 12 blocks of 128) over tensor=8: 1536 divides by 8 but 12
+    does not, so the codes stay whole along it like their scales (a device never holds part of a block whose
+    scale it lacks); over tensor=4 both split."""
+    base = load_pairing("minimax-m2.5-dflash-b16").target
+    config = dataclasses.replace(base, num_hidden_layers=1, experts=dataclasses.replace(
+        base.experts, weight_format="fp8", weight_block=(128, 128)))
+    params = abstract_target_params(config, jnp.bfloat16)
+    for tensor, split in ((8, None), (4, "tensor")):
+        mesh = jax.sharding.AbstractMesh((1, 1, tensor, 2), sharding.MESH_AXES)
+        experts = sharding.tree_shardings(params, mesh)["layers_0"]["mlp"]["experts"]
+        for proj, dim in (("gate_proj", 1), ("down_proj", 2)):  # the intermediate dimension of each
+            codes, scales = experts[f"{proj}_qweight"].spec, experts[f"{proj}_qscale"].spec
+            assert codes == scales and codes[0] == "expert" and codes[dim] == split, (tensor, proj, codes)
+
+
 # --- refusals ----------------------------------------------------------------------------------------------
 
 def test_refusals_name_the_file_tensor_or_field(ckpts, tmp_path):
@@ -250,3 +267,46 @@ def test_refusals_name_the_file_tensor_or_field(ckpts, tmp_path):
                                               r" is stored as F32; INT4 scales kept on the device"):
         load_target(f32, experts="packed")
     assert load_target(f32)[0].experts.weight_format == "float"  # dequantised, it loads
+    # zero points (asymmetric INT4) change the decoding: refused as the load-time decoder refuses them
+    zp_key = "model.layers.0.mlp.experts.1.up_proj.weight_zero_point"
+    zp = write_checkpoint(tmp_path / "zp", json.loads((quant4 / "config.json").read_text()),
+                          {**_stored(quant4), zp_key: np.zeros((32, 2), np.int32)})
+    with pytest.raises(CheckpointError, match=rf"zp/model\.safetensors: tensor '{re.escape(zp_key)}': zero points"):
+        load_target(zp, experts="packed")
+    # a stored weight_shape that disagrees with config.json
+    t = _stored(quant4)
+    t["model.layers.2.mlp.experts.2.down_proj.weight_shape"] = np.array([64, 64], np.int64)
+    shape = write_checkpoint(tmp_path / "shape", json.loads((quant4 / "config.json").read_text()), t)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.2\.mlp\.experts\.2\.down_proj\.weight_shape' says "
+                                              r"\[64, 64\], but config\.json makes .* \[64, 32\]"):
+        load_target(shape, experts="packed")
+    # all experts fused in one tensor (transformers 5's layout): not kept packed, with the tensor named
+    fused = {k: v for k, v in _stored(floats).items() if ".mlp.experts." not in k}
+    for layer in (0, 2):  # the expert layers (layer 1's MLP is dense)
+        base = f"model.layers.{layer}.mlp.experts"
+        per = [[_stored(floats)[f"{base}.{j}.{p}.weight"] for j in range(4)] for p in ("gate_proj", "up_proj",
+                                                                                        "down_proj")]
+        fused[f"{base}.gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(per[0], per[1])])
+        fused[f"{base}.down_proj"] = np.stack(per[2])
+    fused_dir = write_checkpoint(tmp_path / "fused", {**cfg, "quantization_config": FP8_CONFIG}, fused)
+    with pytest.raises(CheckpointError, match=r"fused/model\.safetensors: tensor 'model\.layers\.0\.mlp\.experts\."
+                                              r"gate_up_proj' holds all experts in one tensor"):
+        load_target(fused_dir, experts="packed")
+
+
+def test_config_alone_reads_under_an_unsupported_quantization(ckpts, tmp_path):
+    """A config.json whose quantization_config this project cannot read still describes the model (plans and
+    layouts need no weights); keeping its experts packed raises the QuantizationError naming the file."""
+    from dflash_jax.checkpoints.quantized import UnsupportedScheme
+    from dflash_jax.models.config import TargetConfig
+
+    _, floats = ckpts["qwen3_moe/fp8"]
+    cfg = json.loads((floats / "config.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq", "bits": 4}}))
+    config = TargetConfig.from_json(path)
+    assert isinstance(config.quantization, UnsupportedScheme)
+    assert config == TargetConfig.from_json(floats / "config.json")  # the same model
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(path))}: quantization_config: quant_method 'awq' "
+                                              r"is not supported"):
+        with_packed_experts(config, "packed", str(tmp_path))

@@ -3,6 +3,7 @@ earlier answer), a killed run resumes to exactly the uninterrupted output, and s
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -414,6 +415,28 @@ def test_two_processes_split_the_shards_and_merge_to_the_one_process_output(setu
     assert "wrote 2 shards" in outputs[0][0] and "process 0 of 2" in outputs[0][0]
     assert "wrote 2 shards" in outputs[1][0] and "process 1 of 2" in outputs[1][0]
     assert shard_texts(out) == shard_texts(reference[0])
+
+
+def test_target_fingerprint_ignores_how_the_checkpoint_stored_its_weights():
+    """The settings' target hash covers what the target computes: a quantised checkpoint read from another
+    path, or dequantised, hashes like its float copy (older regenerations, written before the config recorded
+    its quantisation, still resume); weights kept packed do not (their rounding may differ)."""
+    from dflash_jax.checkpoints.quantized import Fp8Scheme
+    from dflash_jax.configs import load_pairing
+    from dflash_jax.data.regenerate import target_config_fingerprint
+
+    config = load_pairing("qwen3-coder-30b-a3b-dflash-b16").target
+    assert config.quantization is None and config.experts.weight_block is None
+    fields = dataclasses.asdict(config)
+    del fields["quantization"], fields["experts"]["weight_block"]  # the fields an older hash did not have
+    older = hashlib.sha256(json.dumps(fields, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()
+    assert target_config_fingerprint(config) == older
+    for where in ("/a/config.json", "/b/config.json"):
+        scheme = Fp8Scheme(block=(128, 128), scale_fmt="float", source=where)
+        assert target_config_fingerprint(dataclasses.replace(config, quantization=scheme)) == older
+    packed = dataclasses.replace(config, experts=dataclasses.replace(config.experts, weight_format="fp8",
+                                                                     weight_block=(128, 128)))
+    assert target_config_fingerprint(packed) != older
 
 
 def test_settings_record_how_drafts_are_verified():

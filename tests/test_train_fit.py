@@ -185,6 +185,7 @@ def test_bad_input_is_one_error_line(tiny, tmp_path, capsys):
     assert "must be a finite number" in error_of(capsys, base + ["--set", "train.learning_rate=.inf"])
     assert "target.experts must be dequantize or packed" in error_of(capsys, base + ["--set", "target.experts=int4"])
     assert "has no experts" in error_of(capsys, base + ["--set", "target.mxfp4=packed"])  # the older name
+    assert "target.mxfp4 must be dequantize or packed" in error_of(capsys, base + ["--set", "target.mxfp4=int4"])
     assert "give one of them" in error_of(capsys, base + ["--set", "target.mxfp4=packed", "--set",
                                                           "target.experts=packed"])
     init = error_of(capsys, base + ["--set", f"draft.init={root / 'draft'}"])

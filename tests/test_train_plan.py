@@ -74,6 +74,7 @@ def test_fsdp_shards_what_data_parallel_replicates(plans):
     ([*TINY[:2], "--mesh", "fsdp=8"], "--cpu-devices 8"),
     ([*TINY, "--mesh", "data=8", "--global-batch", "4"], "not divisible"),
     (["--pairing", "qwen3-8b-dflash-b16", "--experts", "packed", "--mesh", "data=8"], "has no experts"),
+    (["--pairing", "qwen3-8b-dflash-b16", "--mxfp4", "packed", "--mesh", "data=8"], "has no experts"),  # older name
 ])
 def test_bad_input_is_one_error_line(args, message):
     proc = _start(args)

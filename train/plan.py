@@ -60,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="device mesh, e.g. data=1,fsdp=8 or fsdp=4,tensor=2 (one axis may be -1); "
                              "default: the run config's mesh, or every device on 'data' (with --device: one "
                              "device, or every chip of a TPU topology)")
-    parser.add_argument("--experts", choices=("dequantize", "packed"),
+    parser.add_argument("--experts", "--mxfp4", dest="experts", choices=("dequantize", "packed"),
                         help="the frozen target's quantised experts (gpt-oss's MXFP4, block FP8, Kimi's INT4) "
                              "kept as stored on the devices ('packed') or dequantised at load (default; with "
-                             "--config, its target.experts)")
+                             "--config, its target.experts; --mxfp4 is its older name)")
     parser.add_argument("--global-batch", type=int, metavar="G", help="sequences per optimizer step (default 8)")
     parser.add_argument("--seq-len", type=int, metavar="L", help="tokens per sequence (default 3072)")
     parser.add_argument("--num-anchors", type=int, metavar="A", help="anchors per sequence (default 512)")

@@ -94,6 +94,7 @@ def with_packed_experts(config: TargetConfig, mode: str, source: str = "") -> Ta
 
 def _packed_format(scheme, where: str, fix: str) -> tuple[str, tuple[int, int]]:
     """``(weight_format, weight_block)`` that keep a checkpoint's quantised experts as stored."""
+    quantized.raise_if_unsupported(scheme)
     if isinstance(scheme, quantized.Int4Scheme) and scheme.group_size:
         return "int4", (1, scheme.group_size)
     if isinstance(scheme, quantized.Fp8Scheme) and scheme.strategy in ("block", "group"):
@@ -209,6 +210,14 @@ def _quantized_rule(config: TargetConfig, source: SafetensorsDir, base: str, nam
         packed_key, scale_key, _ = quantized.packed_names(weights[0])
         words = lambda w: quantized.packed_names(w)[0]  # noqa: E731
         if part == "qweight":
+            for w in weights:
+                if words(w) not in source.key_to_file:
+                    continue  # reported below (float experts) or by the loader (a missing tensor)
+                quantized.refuse_int4_extras(source, w, scheme)
+                stored_shape = quantized.int4_weight_shape(source, w)
+                if stored_shape != (out_f, in_f):
+                    raise CheckpointError(f"{source.file_of(words(w))}: tensor {quantized.packed_names(w)[2]!r} says "
+                                          f"{list(stored_shape)}, but config.json makes {w!r} [{out_f}, {in_f}]")
             keys = tuple(words(w) for w in weights)
             read = _reader(source, ("I32",), "packed INT4 words", where)
         else:
@@ -226,6 +235,12 @@ def _quantized_rule(config: TargetConfig, source: SafetensorsDir, base: str, nam
         shape = quantized_experts.qweight_shape(fmt, e, out_f, in_f)[1:]
     else:
         shape = quantized_experts.qscale_shape(fmt, block, e, out_f, in_f)[1:]
+    fused = [k for k in (f"{base}.gate_up_proj", f"{base}.down_proj") if k in source.key_to_file]
+    if keys[0] not in source.key_to_file and weights[0] not in source.key_to_file and fused:
+        raise CheckpointError(
+            f"{source.file_of(fused[0])}: tensor {fused[0]!r} holds all experts in one tensor (a fused layout), "
+            f"but experts='packed' (--experts packed) keeps only per-expert quantised tensors as stored "
+            f"('{base}.<j>.{stored}.weight'); load it with experts='dequantize'")
     if keys[0] not in source.key_to_file and weights[0] in source.key_to_file \
             and not source.is_quantized(weights[0]):
         raise CheckpointError(

@@ -157,7 +157,25 @@ class Int4Scheme:
         return f"INT4 pack-quantized, {'group ' + str(self.group_size) if self.group_size else 'per channel'}"
 
 
+@dataclasses.dataclass(frozen=True)
+class UnsupportedScheme:
+    """A ``quantization_config`` this project cannot read (another method, or bad fields), kept on a config
+    that only describes the model (``infer plan --target-config``, ``train plan``, ``convert --layout``):
+    those need no weights. ``error`` is the ``QuantizationError`` message; loading the weights or keeping
+    them packed raises it (``raise_if_unsupported``)."""
+
+    error: str
+
+    def describe(self) -> str:
+        return "weights quantised in a way this project cannot read"
+
+
 Scheme = Fp8Scheme | Int4Scheme
+
+
+def raise_if_unsupported(scheme: Any) -> None:
+    if isinstance(scheme, UnsupportedScheme):
+        raise QuantizationError(scheme.error)
 
 
 def quantization_config_of(config: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -382,15 +400,22 @@ def int4_weight_shape(reader: Reader, key: str) -> tuple[int, ...]:
     return tuple(int(d) for d in stored)
 
 
+def refuse_int4_extras(reader: Reader, key: str, scheme: Int4Scheme) -> None:
+    """Zero points and group indices (asymmetric or activation-ordered INT4) change the decoding; neither the
+    load-time decoder nor the packed experts apply them, so a checkpoint that has them is refused."""
+    for extra in (key + "_zero_point", key + "_g_idx"):
+        if extra in reader.key_to_file:
+            raise QuantizationError(f"{reader.key_to_file[extra]}: tensor {extra!r}: zero points and group indices "
+                                    f"(asymmetric or activation-ordered INT4) are not supported "
+                                    f"({scheme.describe()}, {scheme.source})")
+
+
 def dequantize_int4(reader: Reader, key: str, scheme: Int4Scheme, out_dtype: Any = np.float32) -> np.ndarray:
     """The float weight ``<m>.weight`` from ``<m>.weight_packed`` / ``_scale`` / ``_shape``."""
     packed_key, scale_key, _ = packed_names(key)
     f = reader.key_to_file[packed_key]
     what = f"({scheme.describe()}, {scheme.source})"
-    for extra in (key + "_zero_point", key + "_g_idx"):
-        if extra in reader.key_to_file:
-            raise QuantizationError(f"{reader.key_to_file[extra]}: tensor {extra!r}: zero points and group indices "
-                                    f"(asymmetric or activation-ordered INT4) are not supported {what}")
+    refuse_int4_extras(reader, key, scheme)
     shape = int4_weight_shape(reader, key)
     out, inn = shape[-2:] if len(shape) >= 2 else (None, None)
     if out is None:

@@ -66,6 +66,20 @@ def _sha256_json(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, ensure_ascii=False, default=str).encode()).hexdigest()
 
 
+def target_config_fingerprint(target_config: Any) -> str:
+    """sha256 of what the target computes. Left out: ``quantization`` (how the checkpoint stored its weights,
+    including the config.json path it was read from: a moved checkpoint must still resume) and an unset
+    ``experts.weight_block`` (added after regenerations had been written; leaving it out keeps their hashes).
+    ``experts.weight_format`` stays: decoding packed weights inside the layer may round unlike weights
+    dequantised at load."""
+    fields = dataclasses.asdict(target_config)
+    fields.pop("quantization", None)
+    experts = fields.get("experts")
+    if isinstance(experts, dict) and experts.get("weight_block") is None:
+        experts.pop("weight_block", None)
+    return _sha256_json(fields)
+
+
 def examples_fingerprint(examples: Sequence[Example]) -> str:
     """sha256 of the normalised examples: the same data read from a moved or recompressed file matches."""
     h = hashlib.sha256()
@@ -85,7 +99,7 @@ def regeneration_settings(decoder: Any, tokenizer: Any, examples: Sequence[Examp
     return {
         **common_settings(examples, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
                           shard_size=shard_size),
-        "target_config_sha256": _sha256_json(dataclasses.asdict(decoder.target_config)),
+        "target_config_sha256": target_config_fingerprint(decoder.target_config),
         "draft": bool(decoder.has_draft),
         "block_size": int(decoder.block_size) if decoder.has_draft else None,
         "dtype": jnp.dtype(decoder.dtype).name,

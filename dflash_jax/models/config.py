@@ -1231,8 +1231,9 @@ NESTED_TEXT_CONFIGS = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_te
 
 def _quantization_scheme(cfg: Mapping[str, Any], source: str, model_type: str) -> Any:
     """The weight quantisation a config.json declares (its own ``quantization_config`` or its text config's), as
-    ``checkpoints/quantized`` parses it; None for float weights. An unsupported method is its
-    ``QuantizationError`` naming the file and the field."""
+    ``checkpoints/quantized`` parses it; None for float weights. An unsupported method or a bad field is an
+    ``UnsupportedScheme`` holding the error that names the file and the field: a config alone describes the
+    model's shapes (plans, layouts) without the weights, which are what cannot be read."""
     from dflash_jax.checkpoints import quantized  # numpy only; imported here to keep models free of checkpoints
 
     if not isinstance(cfg, Mapping):
@@ -1240,7 +1241,10 @@ def _quantization_scheme(cfg: Mapping[str, Any], source: str, model_type: str) -
     q = quantized.quantization_config_of(cfg)
     if q is None:
         return None
-    return quantized.parse_scheme(q, source, model_type)
+    try:
+        return quantized.parse_scheme(q, source, model_type)
+    except quantized.QuantizationError as err:  # raised when the weights are read or kept packed
+        return quantized.UnsupportedScheme(str(err))
 
 
 def _text_config(cfg: Mapping[str, Any], source: str) -> tuple[Mapping[str, Any], str]:

@@ -189,12 +189,13 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
     if train["global_batch"] % train["accum_steps"]:
         raise ConfigError(f"{source}: train.global_batch {train['global_batch']} is not divisible by "
                           f"train.accum_steps {train['accum_steps']}")
+    experts_key = "target.experts"
     if out["target"]["mxfp4"] is not None:  # the older name of target.experts
         if "experts" in (raw.get("target") or {}):
             raise ConfigError(f"{source}: target.mxfp4 is the older name of target.experts; give one of them")
-        out["target"]["experts"] = out["target"]["mxfp4"]
+        out["target"]["experts"], experts_key = out["target"]["mxfp4"], "target.mxfp4"
     if out["target"]["experts"] not in ("dequantize", "packed"):
-        raise ConfigError(f"{source}: target.experts must be dequantize or packed, got "
+        raise ConfigError(f"{source}: {experts_key} must be dequantize or packed, got "
                           f"{out['target']['experts']!r}")
     if out["train"]["dtype"] not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"{source}: train.dtype must be auto, float32 or bfloat16, got {train['dtype']!r}")
