@@ -21,6 +21,9 @@ rounding of the float32 decoding).
   32, ignoring attention, the shared experts and the dense MLP); each routed expert's three projections stored as
   ``weight_packed`` int32 ``[out, ceil(in / 8)]``, ``weight_scale`` bfloat16 ``[out, ceil(in / 32)]`` and
   ``weight_shape``; ``down_proj`` reads 40 inputs: a partial word and a partial group.
+- Both again with experts of whole blocks (moe_intermediate_size 32), kept packed on the device
+  (``experts="packed"``): the same logits as the dequantised load, and DFlash decoding of the packed Kimi model
+  equal to its autoregressive decoding.
 """
 
 import json
@@ -119,8 +122,25 @@ def assert_loads_as_float(quant, floats, stored_key, stored_dtype):
 
 
 def test_deepseek_v3_fp8_loads_as_its_decoding(tmp_path):
+    q_dir, f_dir, quant, floats = deepseek_v3_fp8(tmp_path)
+    config, params = assert_loads_as_float(q_dir, f_dir, "model.layers.1.mlp.experts.3.down_proj.weight", "F8_E4M3")
+    assert config.mla.q_lora_rank == 24 and config.experts.num_experts == 8
+    assert np.abs(np.asarray(params["layers_2"]["mlp"]["experts"]["gate_proj"])).max() > 0
+    # transformers' own dequantiser on a tensor that divides into blocks: kv_b_proj [128, 32]
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    key = "model.layers.0.self_attn.kv_b_proj.weight"
+    ref = Fp8Dequantize(None)._dequantize_one(to_torch(quant[key]), to_torch(quant[key[:-6] + "weight_scale_inv"]),
+                                               torch.float32).numpy()
+    np.testing.assert_array_equal(SafetensorsDir(q_dir).get(key), ref)
+    np.testing.assert_array_equal(ref, floats[key])
+
+
+def deepseek_v3_fp8(tmp_path, **text):
+    """transformers' tiny DeepSeek-V3 (``TEXT`` with ``text``) in the release's FP8 layout, and a float checkpoint
+    of its decoding: ``(fp8 dir, float dir, fp8 tensors, float tensors)``."""
     torch.manual_seed(0)
-    model = randomise(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TEXT)).eval())
+    model = randomise(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**TEXT, **text})).eval())
     model.save_pretrained(tmp_path / "hf")
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     quant, floats, names = {}, {}, set()
@@ -139,24 +159,25 @@ def test_deepseek_v3_fp8_loads_as_its_decoding(tmp_path):
     kept = [k for k in quant if "norm" in k or ".mlp.gate." in k or "embed" in k or "lm_head" in k]
     assert all(quant[k].dtype == np.float32 for k in kept) and any("e_score_correction_bias" in k for k in kept)
     assert any("kv_a_layernorm" in k for k in kept) and any("q_a_layernorm" in k for k in kept)
-    q_dir = write_checkpoint(tmp_path / "fp8", {**cfg, "quantization_config": FP8_CONFIG}, quant)
-    f_dir = write_checkpoint(tmp_path / "float", cfg, floats)
-    config, params = assert_loads_as_float(q_dir, f_dir, "model.layers.1.mlp.experts.3.down_proj.weight", "F8_E4M3")
-    assert config.mla.q_lora_rank == 24 and config.experts.num_experts == 8
-    assert np.abs(np.asarray(params["layers_2"]["mlp"]["experts"]["gate_proj"])).max() > 0
-    # transformers' own dequantiser on a tensor that divides into blocks: kv_b_proj [128, 32]
-    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
-
-    key = "model.layers.0.self_attn.kv_b_proj.weight"
-    ref = Fp8Dequantize(None)._dequantize_one(to_torch(quant[key]), to_torch(quant[key[:-6] + "weight_scale_inv"]),
-                                               torch.float32).numpy()
-    np.testing.assert_array_equal(SafetensorsDir(q_dir).get(key), ref)
-    np.testing.assert_array_equal(ref, floats[key])
+    return (write_checkpoint(tmp_path / "fp8", {**cfg, "quantization_config": FP8_CONFIG}, quant),
+            write_checkpoint(tmp_path / "float", cfg, floats), quant, floats)
 
 
 def test_kimi_k25_int4_experts_load_as_their_decoding(tmp_path):
+    q_dir, f_dir, quant = kimi_k25_int4(tmp_path)
+    down = "language_model.model.layers.1.mlp.experts.5.down_proj.weight_packed"
+    assert quant[down].shape == (64, 5) and quant[down[: -len("packed")] + "scale"].shape == (64, 2)
+    config, params = assert_loads_as_float(
+        q_dir, f_dir, "language_model.model.layers.2.mlp.experts.0.up_proj.weight_packed", "I32")
+    assert config.model_type == "kimi_k2" and not config.tie_word_embeddings
+    assert params["layers_1"]["mlp"]["experts"]["down_proj"].shape == (8, 40, 64)
+
+
+def kimi_k25_int4(tmp_path, **text):
+    """transformers' tiny Kimi K2.5 (vision tower included; ``TEXT`` with ``text``) with its routed experts in
+    the release's INT4 layout, and a float checkpoint of their decoding: ``(int4 dir, float dir, int4 tensors)``."""
     torch.manual_seed(1)
-    cfg = transformers.Kimi_K25Config(text_config={**TEXT, "model_type": "kimi_k2"}, vision_config=KIMI_VISION,
+    cfg = transformers.Kimi_K25Config(text_config={**TEXT, **text, "model_type": "kimi_k2"}, vision_config=KIMI_VISION,
                                       projection_hidden_size=32, tie_word_embeddings=False)
     randomise(transformers.Kimi_K25ForConditionalGeneration(cfg).eval()).save_pretrained(tmp_path / "hf")
     config_json = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -177,13 +198,39 @@ def test_kimi_k25_int4_experts_load_as_their_decoding(tmp_path):
         else:
             quant[key] = floats[key] = w
     assert routed == 2 * 8 * 3  # two expert layers of 8 experts, three projections each
-    down = "language_model.model.layers.1.mlp.experts.5.down_proj.weight_packed"
-    assert quant[down].shape == (64, 5) and quant[down[: -len("packed")] + "scale"].shape == (64, 2)
     q_cfg = {**config_json, "quantization_config": INT4_CONFIG,
              "text_config": {**config_json["text_config"], "quantization_config": INT4_CONFIG}}
-    q_dir = write_checkpoint(tmp_path / "int4", q_cfg, quant)
-    f_dir = write_checkpoint(tmp_path / "float", config_json, floats)
-    config, params = assert_loads_as_float(
-        q_dir, f_dir, "language_model.model.layers.2.mlp.experts.0.up_proj.weight_packed", "I32")
-    assert config.model_type == "kimi_k2" and not config.tie_word_embeddings
-    assert params["layers_1"]["mlp"]["experts"]["down_proj"].shape == (8, 40, 64)
+    return (write_checkpoint(tmp_path / "int4", q_cfg, quant),
+            write_checkpoint(tmp_path / "float", config_json, floats), quant)
+
+
+# --- experts kept packed on the device ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["deepseek_v3/fp8", "kimi_k25/int4"])
+def test_packed_experts_compute_the_dequantised_model(tmp_path, family):
+    """Experts of whole blocks (moe_intermediate_size 32: 2 x 4 FP8 blocks of 16 x 16, INT4 groups of 32, as the
+    released sizes are) kept as stored (``experts="packed"``): logits equal the dequantised load's on the
+    dense, grouped and routed expert paths, 1e-5 absolute (both compute in float32 from the same decoded
+    values; tests/test_mla_quantized's other tests tie the dequantised load to the index formulas). For Kimi,
+    the engine on the packed model: DFlash with a random draft (chain and a 12-node tree, rollbacks and tree
+    commits of the latent cache every round) gives exactly the autoregressive tokens."""
+    from hf_tiny import batched_forward, check_lossless, decode_with_random_draft, prompts
+
+    from dflash_jax.models.experts import force_expert_path
+
+    if family == "deepseek_v3/fp8":
+        q_dir = deepseek_v3_fp8(tmp_path, moe_intermediate_size=32)[0]
+    else:
+        q_dir = kimi_k25_int4(tmp_path, moe_intermediate_size=32)[0]
+    config_d, params_d = load_target(q_dir)
+    config_p, params_p = load_target(q_dir, experts="packed")
+    assert config_p.experts.weight_format == family.split("/")[1] and "gate_proj_qweight" in \
+        params_p["layers_1"]["mlp"]["experts"]
+    rows = prompts(config_d.vocab_size)
+    want = batched_forward(config_d, params_d, rows)[0]
+    for path in ("dense", "grouped", "routed"):
+        with force_expert_path(path):
+            got = batched_forward(config_p, params_p, rows)[0]
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=path)
+    if family == "kimi_k25/int4":
+        check_lossless(decode_with_random_draft(config_p, params_p, config_p.vocab_size, (0, 1)))
