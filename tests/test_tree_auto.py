@@ -130,9 +130,10 @@ def test_a_tree_that_cannot_pay_is_never_probed():
     policy = adaptive.initial_tree_policy(3)._replace(costs=jnp.asarray([1.0, 3.0, 3.0], np.float32))
     choices = []
     for _ in range(12):
-        choice, _, policy = _phase(policy, accepted_chain=4, tree=(7, [8.0, 8.0, 8.0]))
-        choices.append(choice)
-    assert choices == [0] * 12
+        choice, rounds, policy = _phase(policy, accepted_chain=4, tree=(7, [8.0, 8.0, 8.0]))
+        choices.append((choice, rounds))
+    # the opening phase, then phases of TREE_MAX_GAP phases' rounds (no probe is ever due)
+    assert choices == [(0, adaptive.DRAFT_PHASE)] + [(0, adaptive.TREE_MAX_GAP * adaptive.DRAFT_PHASE)] * 11
 
 
 def test_probes_back_off_and_a_paying_tree_is_kept():
@@ -141,13 +142,15 @@ def test_probes_back_off_and_a_paying_tree_is_kept():
     6, its surrogate saying so), the next probe moves to budget 16 and stays there."""
     policy = adaptive.initial_tree_policy(3)
     choices = []
-    for _ in range(60):
+    for _ in range(14):
         choice, rounds, policy = _phase(policy, accepted_chain=2, tree=(1, [3.0, 3.0, 3.0]))
         choices.append((choice, rounds))
     probes = [i for i, (c, _) in enumerate(choices) if c]
     assert all(choices[i] == (2, adaptive.PROBE_PHASE) for i in probes)  # the largest budget, one round
-    gaps = np.diff([-1] + probes) - 1  # chain phases before each probe
-    assert choices[0] == (0, adaptive.DRAFT_PHASE) and gaps.tolist()[:6] == [1, 2, 4, 8, 16, 16]
+    # chain rounds before each probe, in phases; those between two probes run as one phase
+    gaps = [sum(r for c, r in choices[a + 1:b]) / adaptive.DRAFT_PHASE for a, b in zip([-1] + probes, probes)]
+    assert choices[0] == (0, adaptive.DRAFT_PHASE) and gaps[:6] == [1, 2, 4, 8, 16, 16]
+    assert all(b - a == 2 for a, b in zip(probes, probes[1:]))  # one chain phase between probes
     later = []
     for _ in range(40):
         choice, rounds, policy = _phase(policy, accepted_chain=1, tree=(5, [2.0, 4.0, 6.0]))
