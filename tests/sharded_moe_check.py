@@ -150,7 +150,71 @@ def sharded_loads():
     return out
 
 
-out = {"devices": jax.device_count(), "sharded_load": sharded_loads()}
+EP_MESHES = ("data=4,expert=2", "expert=4,tensor=2", "data=2,tensor=2,expert=2")
+
+
+def grouped_expert_parallel():
+    """The grouped expert path (prefill and training at real sizes) under meshes that split the experts: each
+    device runs its own experts' pairs inside a ``shard_map`` over ``expert`` and one all-reduce sums them
+    (``experts._grouped_expert_parallel``). Target logits, the grouped path forced, against one device, for
+    Qwen3-MoE, gpt-oss (expert biases) and Qwen3-MoE with FP8 experts kept packed (16 x 16 blocks, random codes
+    and scales: each device decodes its own experts' codes). Per variant and mesh: the largest difference, the
+    largest logit, and whether the program has the manual (shard_map) region."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from dflash_jax.models.experts import force_expert_path
+
+    out = {}
+    for variant in ("qwen3_moe", "gpt_oss", "qwen3_moe/fp8"):
+        tc, tp = tiny_moe_target(variant.split("/")[0])
+        if variant.endswith("fp8"):
+            from dflash_jax.checkpoints.hf_target import abstract_target_params
+
+            tc = dataclasses.replace(tc, experts=dataclasses.replace(tc.experts, weight_format="fp8",
+                                                                     weight_block=(16, 16)))
+            rng = np.random.default_rng(3)
+
+            def draw(path, x):
+                name = path[-1].key
+                if name.endswith("_qweight"):
+                    return jnp.asarray(rng.standard_normal(x.shape).astype(ml_dtypes.float8_e4m3fn))
+                if name.endswith("_qscale"):
+                    return jnp.asarray(0.05 + 0.1 * rng.random(x.shape), x.dtype)
+                return None
+
+            tp = _merge(jax.tree_util.tree_map_with_path(draw, abstract_target_params(tc)), tp)
+        rows = jnp.asarray(np.random.default_rng(4).integers(0, tc.vocab_size, (2, 12)), jnp.int32)
+
+        def logits(params, rows, tc=tc):
+            with force_expert_path("grouped"):
+                return TargetModel(tc).apply({"params": params}, rows, jnp.arange(12)[None].repeat(2, 0)).logits
+
+        with section(f"grouped expert-parallel {variant}"):
+            ref = np.asarray(jax.jit(logits)(tp, rows))
+            runs = {}
+            for spec in EP_MESHES:
+                mesh = sharding.make_mesh(spec)
+                with jax.set_mesh(mesh):
+                    params = jax.device_put(tp, sharding.tree_shardings(tp, mesh))
+                    fn = jax.jit(logits)
+                    got = np.asarray(fn(params, rows))
+                    manual = "sdy.manual_computation" in fn.lower(params, rows).as_text()
+                runs[spec] = {"max_diff": float(np.max(np.abs(got - ref))), "manual": manual}
+            out[variant] = {"max_logit": float(np.max(np.abs(ref))), "runs": runs}
+    return out
+
+
+def _merge(packed, floats):
+    """``packed``'s leaves where it has them (the drawn codes and scales), else the float target's."""
+    if isinstance(packed, dict):
+        return {k: _merge(v, floats.get(k) if isinstance(floats, dict) else None) for k, v in packed.items()}
+    return floats if packed is None else packed
+
+
+out = {"devices": jax.device_count(), "sharded_load": sharded_loads(), "grouped_ep": grouped_expert_parallel()}
 for family in FAMILIES:
     runs, specs = engine_runs(family)
     train = {}

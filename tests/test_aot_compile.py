@@ -133,6 +133,27 @@ def test_compiled_gpu_programs_have_no_all_expert_broadcast(plans, device):
     assert expanded(plain)
 
 
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_expert_mesh_prefill_runs_each_devices_own_experts(device):
+    """gpt-oss's 32 experts split 4 ways (``--mesh expert=4``) on the H200: the prefill's grouped matmuls run
+    inside the shard_map over ``expert`` on each device's 8 experts (the Triton kernel's weight operand
+    ``bf16[8, 64, 64]``), and nothing gathers a layer's 32 experts onto a device (no all-gather producing
+    ``[32, 64, 64]``; before the shard_map, which has no partitioning rule for the kernel, XLA all-gathered
+    every layer's three stacks before its kernels: checked on that code, this test failed)."""
+    p = plan(GPT_OSS, device, experts="dequantize", mesh="expert=4", keep_text=True)
+    prefill = p["_text"]["prefill"]
+    gathered = [line for line in prefill.splitlines() if "all-gather" in line and "bf16[32,64,64]" in line]
+    assert not gathered, gathered[0][:200]
+    assert fused_kernels_of(prefill).get("Triton kernel") == 12
+    assert re.search(r"bf16\[8,64,64\]", prefill)
+
+
+def fused_kernels_of(text):
+    from dflash_jax.aot import fused_kernels
+
+    return fused_kernels(text)
+
+
 def test_cpu_program_counts_its_live_length_loops():
     """The counter can fail: on the CPU the default attention walks the live length in a loop per layer
     (4 target layers + 2 draft layers), and ``--attention xla`` removes them."""

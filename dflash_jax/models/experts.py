@@ -59,6 +59,8 @@ from dflash_jax.models.config import ExpertsConfig
 from dflash_jax.models.layers import ACTIVATIONS, MLP, RMSNorm, float32_dot_general
 from dflash_jax.platform import current_platform
 
+EXPERT_AXIS = "expert"  # the mesh axis the sharding rules split the experts over (``sharding.LOGICAL_TO_MESH``)
+
 GPT_OSS_ALPHA = 1.702  # gpt-oss's GLU uses x * sigmoid(1.702 x)
 # tokens * experts up to which CPU takes the dense path: a round number, not a measured crossover (measured on
 # this project's 2-core CPU at 1,280 tokens x 4 experts: dense 8.8 ms, grouped 10.4 ms for a 4-layer target).
@@ -291,19 +293,42 @@ def dense_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig):
 def grouped_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig):
     """The (token, k) pairs sorted by expert, one grouped matmul per projection, outputs added back: on GPUs
     the Pallas kernel of ``models/grouped_matmul`` (same contract as ``ragged_dot``, whose XLA:GPU lowering
-    computes every expert on every row), elsewhere ``jax.lax.ragged_dot``."""
+    computes every expert on every row), elsewhere ``jax.lax.ragged_dot``. Under a mesh that splits the
+    experts (``expert`` axis), each device runs its own experts' share (``_grouped_expert_parallel``)."""
+    shards = expert_shards(cfg.num_experts)
+    if shards > 1:
+        return _grouped_expert_parallel(x, weights, ids, experts, cfg, shards)
+    return _grouped_local(x, weights, ids, experts, cfg, 0, cfg.num_experts).astype(x.dtype)
+
+
+def expert_shards(num_experts: int) -> int:
+    """How many ways the mesh the program is traced under splits the experts: the ``expert`` axis's size where
+    it divides ``num_experts`` (the sharding rules split the experts' leading axis exactly then), else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
+        return 1
+    n = mesh.shape[EXPERT_AXIS]
+    return n if n > 1 and num_experts % n == 0 else 1
+
+
+def _grouped_local(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig, first, count: int):
+    """The grouped path over experts ``first .. first + count - 1`` (``experts`` holds just those): the pairs
+    routed elsewhere are sorted past the groups, where the grouped product gives zero rows, and weighted 0.
+    Returns each token's sum over its pairs here, ``[N, H]`` in the product's dtype."""
     if current_platform() == "gpu":  # imported here: only programs traced for GPUs need Pallas
         from dflash_jax.models.grouped_matmul import grouped_matmul as product
     else:
         product = jax.lax.ragged_dot
     p = experts.all()
     n, k = ids.shape
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    expert_of = flat[order]
+    flat = ids.reshape(-1) - first
+    mine = (flat >= 0) & (flat < count)
+    key = jnp.where(mine, flat, count)
+    order = jnp.argsort(key, stable=True)
+    expert_of = jnp.minimum(key[order], count - 1)  # the rows past the groups: any expert's bias (weighted 0)
     token_of = order // k
     rows = x[token_of]  # [N * k, H], grouped by expert
-    sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+    sizes = jnp.bincount(key, length=count + 1)[:count].astype(jnp.int32)
     gate = product(rows, p["gate_proj"], sizes)
     up = product(rows, p["up_proj"], sizes)
     if cfg.expert_bias:
@@ -311,12 +336,40 @@ def grouped_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig
     y = product(activate(gate, up, cfg), p["down_proj"], sizes)
     if cfg.expert_bias:
         y = y + p["down_proj_bias"][expert_of]
-    y = y * weights.reshape(-1)[order][:, None]
+    y = y * jnp.where(mine, weights.reshape(-1), 0)[order][:, None]
     # Back to (token, k) order (each pair written once), then each token's k outputs summed in a fixed order. (A
     # scatter-add over the repeated token indices lowers to atomics on GPUs: its summation order, and so its
     # rounding, could change from run to run; the first H200 run saw repeated runs of one program disagree.)
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(n, k, -1)
-    return jnp.sum(y, axis=1).astype(x.dtype)
+    return jnp.sum(y, axis=1)
+
+
+def _grouped_expert_parallel(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig, shards: int):
+    """The grouped path with the experts split ``shards`` ways over the ``expert`` mesh axis: inside a
+    ``shard_map`` manual over that axis only (the others, e.g. ``tensor`` within each expert's matrices, stay
+    XLA's), every device takes all the tokens (they are replicated over ``expert``), runs the pairs routed to
+    its own experts, and one all-reduce sums the devices' outputs (float32). Without it the grouped kernel,
+    which has no partitioning rule, made XLA gather every expert of the layer onto every device (Kimi-K2.5's
+    prefill: 384 experts, 31.5 GiB in bfloat16 per layer); now each device reads and, for packed weights,
+    decodes only its own."""
+    local = cfg.num_experts // shards
+    spec = jax.sharding.PartitionSpec(EXPERT_AXIS)
+    replicated = jax.sharding.PartitionSpec()
+
+    def body(x, weights, ids, params):
+        first = jax.lax.axis_index(EXPERT_AXIS) * local
+        part = dataclasses.replace(experts, params=params)
+        y = _grouped_local(x, weights, ids, part, cfg, first, local)
+        return jax.lax.psum(y.astype(jnp.float32), EXPERT_AXIS)
+
+    params = dict(experts.params)
+    out = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
+                        in_specs=(replicated, replicated, replicated, {name: spec for name in params}),
+                        out_specs=replicated, axis_names={EXPERT_AXIS},
+                        # the Pallas kernel's outputs carry no varying-axes type: the psum makes the result
+                        # replicated over ``expert``, which the out_specs say
+                        check_vma=False)(x, weights, ids, params)
+    return out.astype(x.dtype)
 
 
 def routed_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig, loop: bool | None = None):
