@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from typing import Any, Mapping, NamedTuple
 
 import flax.linen as nn
@@ -60,6 +61,7 @@ from dflash_jax.models.layers import ACTIVATIONS, MLP, RMSNorm, float32_dot_gene
 from dflash_jax.platform import current_platform
 
 EXPERT_AXIS = "expert"  # the mesh axis the sharding rules split the experts over (``sharding.LOGICAL_TO_MESH``)
+BATCH_AXES = ("data", "fsdp")  # and the batch's (``sharding.LOGICAL_TO_MESH["batch"]``)
 
 GPT_OSS_ALPHA = 1.702  # gpt-oss's GLU uses x * sigmoid(1.702 x)
 # tokens * experts up to which CPU takes the dense path: a round number, not a measured crossover (measured on
@@ -294,21 +296,27 @@ def grouped_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig
     """The (token, k) pairs sorted by expert, one grouped matmul per projection, outputs added back: on GPUs
     the Pallas kernel of ``models/grouped_matmul`` (same contract as ``ragged_dot``, whose XLA:GPU lowering
     computes every expert on every row), elsewhere ``jax.lax.ragged_dot``. Under a mesh that splits the
-    experts (``expert`` axis), each device runs its own experts' share (``_grouped_expert_parallel``)."""
-    shards = expert_shards(cfg.num_experts)
-    if shards > 1:
-        return _grouped_expert_parallel(x, weights, ids, experts, cfg, shards)
+    experts or the batch, each device runs its own share (``_grouped_sharded``)."""
+    shards, batch = mesh_split(cfg.num_experts, x.shape[0])
+    if shards > 1 or batch:
+        return _grouped_sharded(x, weights, ids, experts, cfg, shards, batch)
     return _grouped_local(x, weights, ids, experts, cfg, 0, cfg.num_experts).astype(x.dtype)
 
 
-def expert_shards(num_experts: int) -> int:
-    """How many ways the mesh the program is traced under splits the experts: the ``expert`` axis's size where
-    it divides ``num_experts`` (the sharding rules split the experts' leading axis exactly then), else 1."""
+def mesh_split(num_experts: int, num_rows: int) -> tuple[int, tuple[str, ...]]:
+    """How the mesh the program is traced under splits a layer's work: ``(expert shards, batch axes)``. The
+    experts split over ``expert`` where its size divides ``num_experts`` (the sharding rules split the experts'
+    leading axis exactly then), the token rows over the batch's axes (``data``, ``fsdp``) where they divide
+    ``num_rows``; ``(1, ())``: no mesh, or neither."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
-        return 1
-    n = mesh.shape[EXPERT_AXIS]
-    return n if n > 1 and num_experts % n == 0 else 1
+    if mesh.empty:
+        return 1, ()
+    n = mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in mesh.axis_names else 1
+    shards = n if n > 1 and num_experts % n == 0 else 1
+    batch = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    if batch and num_rows % math.prod(mesh.shape[a] for a in batch):
+        batch = ()
+    return shards, batch
 
 
 def _grouped_local(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig, first, count: int):
@@ -344,31 +352,38 @@ def _grouped_local(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig,
     return jnp.sum(y, axis=1)
 
 
-def _grouped_expert_parallel(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig, shards: int):
-    """The grouped path with the experts split ``shards`` ways over the ``expert`` mesh axis: inside a
-    ``shard_map`` manual over that axis only (the others, e.g. ``tensor`` within each expert's matrices, stay
-    XLA's), every device takes all the tokens (they are replicated over ``expert``), runs the pairs routed to
-    its own experts, and one all-reduce sums the devices' outputs (float32). Without it the grouped kernel,
-    which has no partitioning rule, made XLA gather every expert of the layer onto every device (Kimi-K2.5's
-    prefill: 384 experts, 31.5 GiB in bfloat16 per layer); now each device reads and, for packed weights,
-    decodes only its own."""
+def _grouped_sharded(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig, shards: int,
+                     batch: tuple[str, ...]):
+    """The grouped path inside a ``shard_map`` manual over the ``expert`` axis (``shards`` > 1) and the batch
+    axes ``batch`` (``tensor``, within each expert's matrices, stays XLA's): every device takes its batch rows'
+    tokens (replicated over ``expert``), runs the pairs routed to its own ``E / shards`` experts, and one
+    all-reduce over ``expert`` sums the devices' outputs (float32). The grouped kernel has no partitioning rule:
+    without this XLA gathered every expert of the layer onto every device (Kimi-K2.5's prefill: 384 experts,
+    31.5 GiB in bfloat16 per layer) and every row of the batch; now each device reads and, for packed
+    weights, decodes only its own experts (whole on it: gathered over ``fsdp`` as any FSDP-split weight is
+    for its layer)."""
     local = cfg.num_experts // shards
-    spec = jax.sharding.PartitionSpec(EXPERT_AXIS)
-    replicated = jax.sharding.PartitionSpec()
+    rows = jax.sharding.PartitionSpec(batch or None)
+    spec = jax.sharding.PartitionSpec(EXPERT_AXIS if shards > 1 else None)
 
-    def body(x, weights, ids, params):
-        first = jax.lax.axis_index(EXPERT_AXIS) * local
+    def body(x, weights, ids, params, first):
         part = dataclasses.replace(experts, params=params)
-        y = _grouped_local(x, weights, ids, part, cfg, first, local)
+        if shards == 1:
+            return _grouped_local(x, weights, ids, part, cfg, 0, local)
+        y = _grouped_local(x, weights, ids, part, cfg, first[0], local)
         return jax.lax.psum(y.astype(jnp.float32), EXPERT_AXIS)
 
     params = dict(experts.params)
+    # Each device's first expert, as an input split over ``expert`` rather than ``axis_index``: XLA's SPMD
+    # partitioner refuses the partition id that lowers to when other axes stay automatic (the full Kimi-K2.5
+    # prefill compiled for H200s failed so).
+    first = jnp.arange(shards, dtype=jnp.int32) * local
     out = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
-                        in_specs=(replicated, replicated, replicated, {name: spec for name in params}),
-                        out_specs=replicated, axis_names={EXPERT_AXIS},
+                        in_specs=(rows, rows, rows, {name: spec for name in params}, spec), out_specs=rows,
+                        axis_names={*batch, *((EXPERT_AXIS,) if shards > 1 else ())},
                         # the Pallas kernel's outputs carry no varying-axes type: the psum makes the result
                         # replicated over ``expert``, which the out_specs say
-                        check_vma=False)(x, weights, ids, params)
+                        check_vma=False)(x, weights, ids, params, first)
     return out.astype(x.dtype)
 
 
