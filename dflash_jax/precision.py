@@ -40,14 +40,16 @@ def matmul_precision(dtype: Any) -> contextlib.AbstractContextManager:
 
 def with_precision_policy(fn: Callable, dtype: Any, attention: str | None = None, mesh: Any = None) -> Callable:
     """``fn`` traced under ``matmul_precision(dtype)`` and, if given, the ``attention`` kernel for a program
-    sharded over ``mesh`` (``models.attention_kernels.attention_kernel``). Wrap before ``jax.jit``: the
+    sharded over ``mesh`` (``models.attention_kernels.attention_kernel``) and the expert layers' split of their
+    work over it (``models.experts.experts_on_mesh``). Wrap before ``jax.jit``: the
     contexts apply at trace time, and what they choose is then part of the compiled program."""
     from dflash_jax.models.attention_kernels import attention_kernel
+    from dflash_jax.models.experts import experts_on_mesh
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         kernel = attention_kernel(attention, mesh) if attention is not None else contextlib.nullcontext()
-        with matmul_precision(dtype), kernel:
+        with matmul_precision(dtype), kernel, experts_on_mesh(mesh):
             return fn(*args, **kwargs)
 
     return wrapped

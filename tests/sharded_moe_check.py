@@ -204,6 +204,22 @@ def grouped_expert_parallel():
                     manual = "sdy.manual_computation" in fn.lower(params, rows).as_text()
                 runs[spec] = {"max_diff": float(np.max(np.abs(got - ref))), "manual": manual}
             out[variant] = {"max_logit": float(np.max(np.abs(ref))), "runs": runs}
+    # The engine's own programs (which take sharded arguments without a mesh context) run it too: the
+    # autoregressive baseline, grouped path forced, on one device and on a mesh, and which layers traced it.
+    from dflash_jax.engine import generate as engine
+    from dflash_jax.models.experts import recording_sharded
+
+    tc, tp = tiny_moe_target("qwen3_moe")
+    prompts = [[3, 5, 7, 11], [13, 17, 19, 23]]
+    tokens, traced = {}, {}
+    for spec in (None, "data=2,tensor=2,expert=2"):
+        mesh = sharding.make_mesh(spec) if spec else None
+        with section(f"grouped expert-parallel engine {spec}"), force_expert_path("grouped"), \
+                recording_sharded() as seen:
+            tokens[spec or "one"] = Decoder(tc, tp, mesh=mesh).generate(prompts, 10, baseline=True).tokens
+        traced[spec or "one"] = sorted({str(x) for x in seen})
+    engine._EXECUTABLES.clear()  # programs compiled with the path forced are not for the checks that follow
+    out["engine"] = {"tokens": tokens, "traced": traced}
     return out
 
 

@@ -303,12 +303,36 @@ def grouped_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig
     return _grouped_local(x, weights, ids, experts, cfg, 0, cfg.num_experts).astype(x.dtype)
 
 
+_MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("experts_mesh", default=None)
+
+
+@contextlib.contextmanager
+def experts_on_mesh(mesh: Any):
+    """Trace expert layers inside the block for ``mesh`` (a ``Mesh`` or ``AbstractMesh``; None: no change). The
+    engine's programs take arguments sharded over a mesh but are not traced under a mesh context (so that
+    nothing else in them changes layout); this tells the grouped path how its experts and rows are split
+    (``precision.with_precision_policy`` enters it). Without it, the context's mesh (``jax.set_mesh``, the
+    trainer and the planners) is used."""
+    token = _MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _MESH.reset(token)
+
+
+def _traced_mesh():
+    mesh = _MESH.get()
+    if mesh is None:
+        return jax.sharding.get_abstract_mesh()
+    return getattr(mesh, "abstract_mesh", mesh)
+
+
 def mesh_split(num_experts: int, num_rows: int) -> tuple[int, tuple[str, ...]]:
-    """How the mesh the program is traced under splits a layer's work: ``(expert shards, batch axes)``. The
+    """How the mesh the program is traced for splits a layer's work: ``(expert shards, batch axes)``. The
     experts split over ``expert`` where its size divides ``num_experts`` (the sharding rules split the experts'
     leading axis exactly then), the token rows over the batch's axes (``data``, ``fsdp``) where they divide
     ``num_rows``; ``(1, ())``: no mesh, or neither."""
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = _traced_mesh()
     if mesh.empty:
         return 1, ()
     n = mesh.shape[EXPERT_AXIS] if EXPERT_AXIS in mesh.axis_names else 1
@@ -344,7 +368,9 @@ def _grouped_local(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig,
     y = product(activate(gate, up, cfg), p["down_proj"], sizes)
     if cfg.expert_bias:
         y = y + p["down_proj_bias"][expert_of]
-    y = y * jnp.where(mine, weights.reshape(-1), 0)[order][:, None]
+    # other devices' pairs are zeroed by a select, not by their weight: what a grouped product leaves in the rows
+    # past its groups is documented as zero, but a select does not depend on it (0 x NaN would not be 0)
+    y = jnp.where(mine[order][:, None], y * weights.reshape(-1)[order][:, None], 0)
     # Back to (token, k) order (each pair written once), then each token's k outputs summed in a fixed order. (A
     # scatter-add over the repeated token indices lowers to atomics on GPUs: its summation order, and so its
     # rounding, could change from run to run; the first H200 run saw repeated runs of one program disagree.)
@@ -378,7 +404,8 @@ def _grouped_sharded(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfi
     # partitioner refuses the partition id that lowers to when other axes stay automatic (the full Kimi-K2.5
     # prefill compiled for H200s failed so).
     first = jnp.arange(shards, dtype=jnp.int32) * local
-    out = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
+    _note_sharded(shards, batch)
+    out = jax.shard_map(body, mesh=_traced_mesh(),
                         in_specs=(rows, rows, rows, {name: spec for name in params}, spec), out_specs=rows,
                         axis_names={*batch, *((EXPERT_AXIS,) if shards > 1 else ())},
                         # the Pallas kernel's outputs carry no varying-axes type: the psum makes the result
@@ -540,6 +567,27 @@ class Experts(nn.Module):
 
 
 # ------------------------------------------------------------------ what a traced program's expert layers read
+
+
+_SHARDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("grouped_sharded", default=None)
+
+
+@contextlib.contextmanager
+def recording_sharded():
+    """Collect ``(expert shards, batch axes)`` per grouped expert layer traced inside the block with its work
+    split over a mesh (``_grouped_sharded``; tests check that a program runs it)."""
+    seen: list[tuple[int, tuple[str, ...]]] = []
+    token = _SHARDED.set(seen)
+    try:
+        yield seen
+    finally:
+        _SHARDED.reset(token)
+
+
+def _note_sharded(shards: int, batch: tuple[str, ...]) -> None:
+    seen = _SHARDED.get()
+    if seen is not None:
+        seen.append((shards, batch))
 
 
 class ExpertReads(NamedTuple):
