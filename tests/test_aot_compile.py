@@ -17,7 +17,7 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax.aot import loops_per_round, plan_decode
+from dflash_jax.aot import fused_kernels, loops_per_round, plan_decode
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft_config import DraftConfig
 from draft_tiny import official_config
@@ -113,7 +113,7 @@ def test_compiled_gpu_programs_have_no_all_expert_broadcast(plans, device):
     projections). The control: plain ``ragged_dot`` compiled for the same GPU holds the expansion."""
     import jax
 
-    from dflash_jax.aot import compile_target, fused_kernels
+    from dflash_jax.aot import compile_target
 
     # the decoded-experts plan of test_gpt_oss_round_reads_only_routed_experts_and_runs_no_loop (one compile)
     p = cached(plans, ("gpt_oss", device, "dequantize"), GPT_OSS, device, experts="dequantize", keep_text=True)
@@ -144,14 +144,8 @@ def test_expert_mesh_prefill_runs_each_devices_own_experts(device):
     prefill = p["_text"]["prefill"]
     gathered = [line for line in prefill.splitlines() if "all-gather" in line and "bf16[32,64,64]" in line]
     assert not gathered, gathered[0][:200]
-    assert fused_kernels_of(prefill).get("Triton kernel") == 12
+    assert fused_kernels(prefill).get("Triton kernel") == 12
     assert re.search(r"bf16\[8,64,64\]", prefill)
-
-
-def fused_kernels_of(text):
-    from dflash_jax.aot import fused_kernels
-
-    return fused_kernels(text)
 
 
 def test_cpu_program_counts_its_live_length_loops():

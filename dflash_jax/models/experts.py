@@ -59,9 +59,11 @@ from dflash_jax.models import mxfp4, quantized_experts
 from dflash_jax.models.config import ExpertsConfig
 from dflash_jax.models.layers import ACTIVATIONS, MLP, RMSNorm, float32_dot_general
 from dflash_jax.platform import current_platform
+from dflash_jax.sharding import LOGICAL_TO_MESH
 
-EXPERT_AXIS = "expert"  # the mesh axis the sharding rules split the experts over (``sharding.LOGICAL_TO_MESH``)
-BATCH_AXES = ("data", "fsdp")  # and the batch's (``sharding.LOGICAL_TO_MESH["batch"]``)
+# the mesh axes the sharding rules split the experts and the batch over
+EXPERT_AXIS = LOGICAL_TO_MESH["experts"]
+BATCH_AXES = LOGICAL_TO_MESH["batch"]
 
 GPT_OSS_ALPHA = 1.702  # gpt-oss's GLU uses x * sigmoid(1.702 x)
 # tokens * experts up to which CPU takes the dense path: a round number, not a measured crossover (measured on
@@ -573,15 +575,19 @@ _SHARDED: contextvars.ContextVar[list | None] = contextvars.ContextVar("grouped_
 
 
 @contextlib.contextmanager
-def recording_sharded():
-    """Collect ``(expert shards, batch axes)`` per grouped expert layer traced inside the block with its work
-    split over a mesh (``_grouped_sharded``; tests check that a program runs it)."""
-    seen: list[tuple[int, tuple[str, ...]]] = []
-    token = _SHARDED.set(seen)
+def _recording(var: contextvars.ContextVar):
+    seen: list = []
+    token = var.set(seen)
     try:
         yield seen
     finally:
-        _SHARDED.reset(token)
+        var.reset(token)
+
+
+def recording_sharded():
+    """Collect ``(expert shards, batch axes)`` per grouped expert layer traced inside the block with its work
+    split over a mesh (``_grouped_sharded``; tests check that a program runs it)."""
+    return _recording(_SHARDED)
 
 
 def _note_sharded(shards: int, batch: tuple[str, ...]) -> None:
@@ -603,15 +609,9 @@ class ExpertReads(NamedTuple):
 _READS: contextvars.ContextVar[list | None] = contextvars.ContextVar("expert_reads", default=None)
 
 
-@contextlib.contextmanager
 def recording_reads():
     """Collect an ``ExpertReads`` per expert layer traced inside the block (``aot.plan_decode``'s figures)."""
-    reads: list[ExpertReads] = []
-    token = _READS.set(reads)
-    try:
-        yield reads
-    finally:
-        _READS.reset(token)
+    return _recording(_READS)
 
 
 def _note_reads(path: str, num_tokens: int, cfg: ExpertsConfig, experts: StackedExperts) -> None:
