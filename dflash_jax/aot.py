@@ -300,7 +300,7 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
     total = weights + caches + other_state + temps
     texts = {"prefill": pre_c.as_text(), "decode": loop_c.as_text()}
     kernels = {name: fused_kernels(text) for name, text in texts.items()}
-    read, routed = _expert_bytes(reads, the_mesh)
+    read, routed, busiest = _expert_bytes(reads, the_mesh)
     gib = lambda n: round(n / GIB, 3)  # noqa: E731
     result = {
         "device": target.name,
@@ -323,6 +323,7 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
         "fused_kernels": kernels,
         "expert_gib_per_round": gib(read),
         "routed_expert_gib_per_round": gib(routed),
+        "busiest_device_expert_gib_per_round": gib(busiest),  # an upper bound: all pairs on one device's experts
         "expert_bytes_per_round": int(read),  # exact, for programs too small for a GiB figure
         "routed_expert_bytes_per_round": int(routed),
         "compile_seconds": round(seconds, 1),
@@ -349,10 +350,19 @@ def _mesh_count(spec: str | None) -> int:
     return total
 
 
-def _expert_bytes(reads: list, mesh) -> tuple[int, int]:
-    """Per device: the expert weight bytes one round's traced expert layers read, and the bytes they would
-    read touching only the experts their tokens are routed to (``experts.recording_reads``)."""
-    split = int(mesh.shape.get("expert", 1)) * int(mesh.shape.get("tensor", 1))  # experts and their rows
+def _expert_bytes(reads: list, mesh) -> tuple[int, int, int]:
+    """Per device: the expert weight bytes one round's traced expert layers read (the mean over devices when
+    the routed pairs spread evenly over the experts' shards), the bytes they would read touching only the
+    experts their tokens are routed to (``experts.recording_reads``), and an upper bound for the busiest
+    device: every pair routed to experts of one shard (at most the shard's ``E / expert`` experts for the
+    grouped and dense paths, every pair for the routed one, which reads an expert per pair)."""
+    experts_split = int(mesh.shape.get("expert", 1))
+    rows_split = int(mesh.shape.get("tensor", 1))  # each expert's rows
+    split = experts_split * rows_split
     read = sum(r.experts_read * r.bytes_per_expert for r in reads)
     routed = sum(min(r.routed_pairs, r.num_experts) * r.bytes_per_expert for r in reads)
-    return read // split, routed // split
+    busiest = 0
+    for r in reads:
+        own = r.num_experts // experts_split if r.num_experts % experts_split == 0 else r.num_experts
+        busiest += (r.experts_read if r.path == "routed" else min(r.experts_read, own)) * r.bytes_per_expert
+    return read // split, routed // split, busiest // rows_split

@@ -127,7 +127,8 @@ def _table(plan: dict) -> str:
     if plan["expert_gib_per_round"] or plan["routed_expert_gib_per_round"]:
         ratio = plan["expert_gib_per_round"] / max(plan["routed_expert_gib_per_round"], 1e-9)
         lines.append(f"expert reads/round   {plan['expert_gib_per_round']:,.3f} GiB, routed-only "
-                     f"{plan['routed_expert_gib_per_round']:,.3f} GiB ({ratio:.2f}x)")
+                     f"{plan['routed_expert_gib_per_round']:,.3f} GiB ({ratio:.2f}x); busiest device at most "
+                     f"{plan['busiest_device_expert_gib_per_round']:,.3f} GiB (every pair on its experts)")
     return "\n".join(lines)
 
 

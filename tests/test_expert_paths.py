@@ -250,3 +250,30 @@ def test_the_selection_bias_stays_float32_in_bfloat16():
     params = shapes["params"]
     assert params["e_score_correction_bias"].dtype == jnp.float32
     assert params["gate"]["kernel"].dtype == jnp.bfloat16
+
+
+def test_plan_expert_bytes_bound_the_busiest_device_by_brute_force():
+    """``aot._expert_bytes``' busiest-device figure against every routing of a tiny round: 3 (token, expert)
+    pairs over 8 experts on ``expert=4`` (2 experts a shard), each expert's rows split over ``tensor=2``. The
+    grouped path reads each distinct expert of a shard once, the routed one reads one expert per pair, the dense
+    one all of its shard's; the bound must equal the worst routing, and the mean the even spread."""
+    import itertools
+    import types
+
+    from dflash_jax.aot import _expert_bytes
+
+    mesh = types.SimpleNamespace(shape={"expert": 4, "tensor": 2})
+    n_exp, pairs, size = 8, 3, 1000
+    worst = {"grouped": 0, "routed": 0, "dense": 0}
+    for routing in itertools.product(range(n_exp), repeat=pairs):
+        for shard in range(4):
+            own = [e for e in routing if e // 2 == shard]
+            worst["grouped"] = max(worst["grouped"], len(set(own)))
+            worst["routed"] = max(worst["routed"], len(own))
+    worst["dense"] = 2
+    for path, read in (("grouped", min(pairs, n_exp)), ("routed", pairs), ("dense", n_exp)):
+        record = X.ExpertReads(n_exp, read, pairs, size, path)
+        mean, routed, busiest = _expert_bytes([record], mesh)
+        assert busiest == worst[path] * size // 2, path
+        assert mean == read * size // 8 and routed == min(pairs, n_exp) * size // 8
+        assert busiest >= mean

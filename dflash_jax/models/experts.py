@@ -598,12 +598,13 @@ def _note_sharded(shards: int, batch: tuple[str, ...]) -> None:
 
 class ExpertReads(NamedTuple):
     """One traced expert layer: its experts, how many expert weight sets its path reads, how many (token,
-    expert) pairs its tokens are routed to, and the bytes of one expert's weights as stored."""
+    expert) pairs its tokens are routed to, the bytes of one expert's weights as stored, and its path."""
 
     num_experts: int
     experts_read: int
     routed_pairs: int
     bytes_per_expert: int
+    path: str
 
 
 _READS: contextvars.ContextVar[list | None] = contextvars.ContextVar("expert_reads", default=None)
@@ -630,4 +631,4 @@ def _note_reads(path: str, num_tokens: int, cfg: ExpertsConfig, experts: Stacked
         read = min(pairs, cfg.num_experts)
     else:
         read = cfg.num_experts
-    reads.append(ExpertReads(cfg.num_experts, read, pairs, per_expert))
+    reads.append(ExpertReads(cfg.num_experts, read, pairs, per_expert, path))
