@@ -150,13 +150,14 @@ def sharded_loads():
     return out
 
 
-EP_MESHES = ("data=4,expert=2", "data=8", "expert=4,tensor=2", "data=2,tensor=2,expert=2")
+EP_MESHES = ("data=4,expert=2", "data=8", "expert=4,tensor=2", "data=2,tensor=2,expert=2", "data=2,tensor=4")
 
 
 def grouped_expert_parallel():
     """The grouped expert path (prefill and training at real sizes) under meshes that split the experts or the
-    batch: each device runs its own rows' pairs for its own experts inside a ``shard_map`` over ``expert`` and
-    the batch axes, and one all-reduce over ``expert`` sums them (``experts._grouped_sharded``). Target logits, the grouped path forced, against one device, for
+    batch: each device runs its own rows' pairs for its own experts (float weights: through its own share of
+    their intermediate units over ``tensor``) inside a ``shard_map`` over ``expert``, ``tensor`` and the batch
+    axes, and one all-reduce over ``expert`` and ``tensor`` sums them (``experts._grouped_sharded``). Target logits, the grouped path forced, against one device, for
     Qwen3-MoE, gpt-oss (expert biases) and Qwen3-MoE with FP8 experts kept packed (16 x 16 blocks, random codes
     and scales: each device decodes its own experts' codes). Per variant and mesh: the largest difference, the
     largest logit, and whether the program has the manual (shard_map) region."""

@@ -148,6 +148,21 @@ def test_expert_mesh_prefill_runs_each_devices_own_experts(device):
     assert re.search(r"bf16\[8,64,64\]", prefill)
 
 
+@pytest.mark.parametrize("device", DEVICES[:1])
+def test_tensor_mesh_prefill_runs_each_devices_own_intermediate_units(device):
+    """The same experts split over ``expert=2,tensor=2``: each device's grouped matmuls read its 16 experts'
+    own halves of the intermediate units (gate/up ``bf16[16,64,32]``, down ``bf16[16,32,64]``), and no
+    all-gather feeds a grouped matmul. (With ``tensor`` left to XLA, which has no partitioning rule for the
+    kernel, every layer's kernels read all-gathered ``bf16[32,64,32]`` stacks: checked on that code, this test
+    failed.)"""
+    p = plan(GPT_OSS, device, experts="dequantize", mesh="expert=2,tensor=2", keep_text=True)
+    prefill = p["_text"]["prefill"]
+    gathered = [line for line in prefill.splitlines() if "all-gather" in line and "grouped_matmul" in line]
+    assert not gathered, gathered[0][:200]
+    assert fused_kernels(prefill).get("Triton kernel") == 12
+    assert re.search(r"bf16\[16,64,32\]", prefill) and re.search(r"bf16\[16,32,64\]", prefill)
+
+
 def test_cpu_program_counts_its_live_length_loops():
     """The counter can fail: on the CPU the default attention walks the live length in a loop per layer
     (4 target layers + 2 draft layers), and ``--attention xla`` removes them."""

@@ -59,11 +59,12 @@ from dflash_jax.models import mxfp4, quantized_experts
 from dflash_jax.models.config import ExpertsConfig
 from dflash_jax.models.layers import ACTIVATIONS, MLP, RMSNorm, float32_dot_general
 from dflash_jax.platform import current_platform
-from dflash_jax.sharding import LOGICAL_TO_MESH
+from dflash_jax.sharding import LOGICAL_TO_MESH, logical_axes
 
 # the mesh axes the sharding rules split the experts and the batch over
 EXPERT_AXIS = LOGICAL_TO_MESH["experts"]
 BATCH_AXES = LOGICAL_TO_MESH["batch"]
+ROWS_AXIS = LOGICAL_TO_MESH["mlp"]  # splits each expert's intermediate units (tensor parallelism)
 
 GPT_OSS_ALPHA = 1.702  # gpt-oss's GLU uses x * sigmoid(1.702 x)
 # tokens * experts up to which CPU takes the dense path: a round number, not a measured crossover (measured on
@@ -298,10 +299,12 @@ def grouped_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig
     """The (token, k) pairs sorted by expert, one grouped matmul per projection, outputs added back: on GPUs
     the Pallas kernel of ``models/grouped_matmul`` (same contract as ``ragged_dot``, whose XLA:GPU lowering
     computes every expert on every row), elsewhere ``jax.lax.ragged_dot``. Under a mesh that splits the
-    experts or the batch, each device runs its own share (``_grouped_sharded``)."""
+    experts, the batch or (float weights) each expert's intermediate units, each device runs its own share
+    (``_grouped_sharded``)."""
     shards, batch = mesh_split(cfg.num_experts, x.shape[0])
-    if shards > 1 or batch:
-        return _grouped_sharded(x, weights, ids, experts, cfg, shards, batch)
+    rows_split = rows_split_of(experts, shards)
+    if shards > 1 or batch or rows_split > 1:
+        return _grouped_sharded(x, weights, ids, experts, cfg, shards, batch, rows_split)
     return _grouped_local(x, weights, ids, experts, cfg, 0, cfg.num_experts).astype(x.dtype)
 
 
@@ -380,39 +383,80 @@ def _grouped_local(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig,
     return jnp.sum(y, axis=1)
 
 
+def rows_split_of(experts: StackedExperts, shards: int) -> int:
+    """How many ways the traced mesh's tensor axis splits each expert's intermediate units in every float
+    projection (gate/up's output columns, down's input rows, gate/up's biases) as the sharding rules lay them
+    out: the ``tensor`` size, or 1 (no such axis, packed weights, whose blocks the rules may leave whole on one
+    projection and split on another, or an intermediate size it does not divide)."""
+    mesh = _traced_mesh()
+    if mesh.empty or ROWS_AXIS not in mesh.axis_names or mesh.shape[ROWS_AXIS] == 1 or experts.packed:
+        return 1
+    for name, spec in _param_specs(experts, shards, mesh.shape[ROWS_AXIS]).items():
+        wanted = {"gate_proj": 2, "up_proj": 2, "down_proj": 1, "gate_proj_bias": 1, "up_proj_bias": 1}.get(name)
+        if wanted is not None and (len(spec) <= wanted or spec[wanted] != ROWS_AXIS):
+            return 1
+    return mesh.shape[ROWS_AXIS]
+
+
+def _param_specs(experts: StackedExperts, shards: int, rows_split: int) -> dict[str, jax.sharding.PartitionSpec]:
+    """Each expert param's spec inside the shard_map: its experts over ``expert`` (``shards`` > 1) and, with
+    ``rows_split`` > 1, its intermediate units over ``tensor`` where the sharding rules put them; the other
+    mesh axes (``fsdp`` over the hidden size) stay outside: the shard_map takes those params whole, as the
+    layer would gather them anyway."""
+    out = {}
+    for name, value in experts.params.items():
+        logical = logical_axes(f"mlp/experts/{name}", value.ndim)
+        parts = []
+        for size, axis in zip(value.shape, logical):
+            if axis == "experts" and shards > 1:
+                parts.append(EXPERT_AXIS)
+            elif axis == "mlp" and rows_split > 1 and size % rows_split == 0:
+                parts.append(ROWS_AXIS)
+            else:
+                parts.append(None)
+        out[name] = jax.sharding.PartitionSpec(*parts)
+    return out
+
+
 def _grouped_sharded(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig, shards: int,
-                     batch: tuple[str, ...]):
-    """The grouped path inside a ``shard_map`` manual over the ``expert`` axis (``shards`` > 1) and the batch
-    axes ``batch`` (``tensor``, within each expert's matrices, stays XLA's): every device takes its batch rows'
-    tokens (replicated over ``expert``), runs the pairs routed to its own ``E / shards`` experts, and one
-    all-reduce over ``expert`` sums the devices' outputs (float32). The grouped kernel has no partitioning rule:
-    without this XLA gathered every expert of the layer onto every device (Kimi-K2.5's prefill: 384 experts,
-    31.5 GiB in bfloat16 per layer) and every row of the batch; now each device reads and, for packed
-    weights, decodes only its own experts (whole on it: gathered over ``fsdp`` as any FSDP-split weight is
-    for its layer)."""
+                     batch: tuple[str, ...], rows_split: int = 1):
+    """The grouped path inside a ``shard_map`` manual over the ``expert`` axis (``shards`` > 1), the batch axes
+    ``batch`` and, for float weights, ``tensor`` (``rows_split`` > 1): every device takes its batch rows'
+    tokens (replicated over ``expert`` and ``tensor``), runs the pairs routed to its own ``E / shards`` experts
+    through its own ``I / rows_split`` intermediate units of each, and one all-reduce over ``expert`` and
+    ``tensor`` sums the devices' partial outputs (float32; the down projection's bias is added by the first
+    tensor shard only). The grouped kernel has no partitioning rule: without this XLA gathered every expert of
+    the layer onto every device (Kimi-K2.5's prefill: 384 experts, 31.5 GiB in bfloat16 per layer), every row
+    of the batch, and each expert's intermediate units split over ``tensor``; now each device reads and, for
+    packed weights, decodes only its own experts (whole on it: gathered over ``fsdp`` as any FSDP-split weight
+    is for its layer; packed weights also over ``tensor``)."""
     local = cfg.num_experts // shards
     rows = jax.sharding.PartitionSpec(batch or None)
-    spec = jax.sharding.PartitionSpec(EXPERT_AXIS if shards > 1 else None)
+    summed = (EXPERT_AXIS,) * (shards > 1) + (ROWS_AXIS,) * (rows_split > 1)
+    specs = _param_specs(experts, shards, rows_split)
 
-    def body(x, weights, ids, params, first):
+    def body(x, weights, ids, params, first, lead):
+        if rows_split > 1 and "down_proj_bias" in params:  # once in the sum over the tensor shards
+            params = {**params, "down_proj_bias": params["down_proj_bias"] * lead[0].astype(
+                params["down_proj_bias"].dtype)}
         part = dataclasses.replace(experts, params=params)
-        if shards == 1:
-            return _grouped_local(x, weights, ids, part, cfg, 0, local)
         y = _grouped_local(x, weights, ids, part, cfg, first[0], local)
-        return jax.lax.psum(y.astype(jnp.float32), EXPERT_AXIS)
+        return jax.lax.psum(y.astype(jnp.float32), summed) if summed else y
 
     params = dict(experts.params)
-    # Each device's first expert, as an input split over ``expert`` rather than ``axis_index``: XLA's SPMD
-    # partitioner refuses the partition id that lowers to when other axes stay automatic (the full Kimi-K2.5
-    # prefill compiled for H200s failed so).
+    # Each device's first expert, and whether it is the first tensor shard, as inputs split over ``expert`` and
+    # ``tensor`` rather than ``axis_index``: XLA's SPMD partitioner refuses the partition id that lowers to when
+    # other axes stay automatic (the full Kimi-K2.5 prefill compiled for H200s failed so).
     first = jnp.arange(shards, dtype=jnp.int32) * local
-    _note_sharded(shards, batch)
+    lead = jnp.arange(rows_split) == 0
+    _note_sharded(shards, batch, rows_split)
     out = jax.shard_map(body, mesh=_traced_mesh(),
-                        in_specs=(rows, rows, rows, {name: spec for name in params}, spec), out_specs=rows,
-                        axis_names={*batch, *((EXPERT_AXIS,) if shards > 1 else ())},
+                        in_specs=(rows, rows, rows, specs, jax.sharding.PartitionSpec(EXPERT_AXIS if shards > 1 else None),
+                                  jax.sharding.PartitionSpec(ROWS_AXIS if rows_split > 1 else None)),
+                        out_specs=rows, axis_names={*batch, *summed},
                         # the Pallas kernel's outputs carry no varying-axes type: the psum makes the result
-                        # replicated over ``expert``, which the out_specs say
-                        check_vma=False)(x, weights, ids, params, first)
+                        # replicated over ``expert`` and ``tensor``, which the out_specs say
+                        check_vma=False)(x, weights, ids, params, first, lead)
     return out.astype(x.dtype)
 
 
@@ -585,15 +629,15 @@ def _recording(var: contextvars.ContextVar):
 
 
 def recording_sharded():
-    """Collect ``(expert shards, batch axes)`` per grouped expert layer traced inside the block with its work
-    split over a mesh (``_grouped_sharded``; tests check that a program runs it)."""
+    """Collect ``(expert shards, batch axes, tensor shards)`` per grouped expert layer traced inside the block with
+    its work split over a mesh (``_grouped_sharded``; tests check that a program runs it)."""
     return _recording(_SHARDED)
 
 
-def _note_sharded(shards: int, batch: tuple[str, ...]) -> None:
+def _note_sharded(shards: int, batch: tuple[str, ...], rows_split: int) -> None:
     seen = _SHARDED.get()
     if seen is not None:
-        seen.append((shards, batch))
+        seen.append((shards, batch, rows_split))
 
 
 class ExpertReads(NamedTuple):
