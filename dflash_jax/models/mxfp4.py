@@ -200,6 +200,19 @@ def _pow2(e, dtype):
     return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
 
 
+def _fp4_values(codes, dtype):
+    """``FP4_VALUES[codes]`` (codes 0..15, uint8) by arithmetic, not a table lookup: E2M1 is sign, 2 exponent
+    bits and 1 mantissa bit, ``m / 2`` for exponent 0 and ``(1 + m / 2) * 2 ** (e - 1)`` otherwise, all exact.
+    A lookup lowers to a gather with an int32 index per weight, which the TPU compiler materialises (several
+    index and float copies of each decoded expert stack); this is elementwise and fuses into its consumer."""
+    c = codes.astype(jnp.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).astype(dtype)
+    half = jnp.asarray(0.5, dtype)
+    magnitude = jnp.where(e == 0, m * half, (1 + m * half) * jnp.left_shift(1, jnp.maximum(e - 1, 0)).astype(dtype))
+    return jnp.where((c >> 3) == 1, -magnitude, magnitude)
+
+
 def _work_dtype(dtype):
     # bfloat16 has float32's exponent range, so decoding in it is exact; narrower types decode in float32.
     return dtype if dtype in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) else jnp.dtype(jnp.float32)
@@ -211,9 +224,8 @@ def _decode_jax(blocks, scales, dtype):
     work = _work_dtype(dtype)
     blocks = jnp.asarray(blocks)
     scales = jnp.asarray(scales)
-    lut = jnp.asarray(FP4_VALUES, dtype=work)
-    lo = jnp.take(lut, (blocks & 0x0F).astype(jnp.int32), axis=0)
-    hi = jnp.take(lut, (blocks >> 4).astype(jnp.int32), axis=0)
+    lo = _fp4_values(blocks & 0x0F, work)
+    hi = _fp4_values(blocks >> 4, work)
     vals = jnp.stack([lo, hi], axis=-1)  # [..., out, G, 16, 2]: low nibble first
     vals = vals.reshape(*blocks.shape[:-1], BLOCK_SIZE)  # [..., out, G, 32]
     # 2 ** (s - 127) as two exact powers of two (each exponent in [-64, 64]): the first product is exact, the
