@@ -159,18 +159,37 @@ def grouped_expert_parallel():
     their intermediate units over ``tensor``) inside a ``shard_map`` over ``expert``, ``tensor`` and the batch
     axes, and one all-reduce over ``expert`` and ``tensor`` sums them (``experts._grouped_sharded``). Target logits, the grouped path forced, against one device, for
     Qwen3-MoE, gpt-oss (expert biases) and Qwen3-MoE with FP8 experts kept packed (16 x 16 blocks, random codes
-    and scales: each device decodes its own experts' codes). Per variant and mesh: the largest difference, the
+    and scales: each device decodes its own experts' codes), gpt-oss with MXFP4 experts kept packed. Per variant and mesh: the largest difference, the
     largest logit, and whether the program has the manual (shard_map) region."""
     import dataclasses
 
     import jax.numpy as jnp
     import ml_dtypes
 
-    from dflash_jax.models.experts import force_expert_path
+    from dflash_jax.models.experts import force_expert_path, recording_sharded
 
     out = {}
-    for variant in ("qwen3_moe", "gpt_oss", "qwen3_moe/fp8"):
+    for variant in ("qwen3_moe", "gpt_oss", "qwen3_moe/fp8", "gpt_oss/mxfp4"):
         tc, tp = tiny_moe_target(variant.split("/")[0])
+        if variant.endswith("mxfp4"):  # random codes, scales 2 ** (s - 127) for s in [122, 126)
+            from dflash_jax.checkpoints.hf_target import abstract_target_params
+
+            # intermediate 64: two groups of 32 in down_proj's inputs, so that tensor=2 splits them
+            tc = dataclasses.replace(tc, experts=dataclasses.replace(tc.experts, weight_format="mxfp4",
+                                                                     intermediate_size=64))
+            rng = np.random.default_rng(5)
+
+            def draw(path, x):
+                name = path[-1].key
+                if name.endswith("_blocks"):
+                    return jnp.asarray(rng.integers(0, 256, x.shape, dtype=np.uint8))
+                if name.endswith("_scales"):
+                    return jnp.asarray(rng.integers(122, 126, x.shape, dtype=np.uint8))
+                if name.endswith("_proj_bias"):
+                    return jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
+                return None
+
+            tp = _merge(jax.tree_util.tree_map_with_path(draw, abstract_target_params(tc)), tp)
         if variant.endswith("fp8"):
             from dflash_jax.checkpoints.hf_target import abstract_target_params
 
@@ -198,17 +217,17 @@ def grouped_expert_parallel():
             runs = {}
             for spec in EP_MESHES:
                 mesh = sharding.make_mesh(spec)
-                with jax.set_mesh(mesh):
+                with jax.set_mesh(mesh), recording_sharded() as seen:
                     params = jax.device_put(tp, sharding.tree_shardings(tp, mesh))
                     fn = jax.jit(logits)
                     got = np.asarray(fn(params, rows))
                     manual = "sdy.manual_computation" in fn.lower(params, rows).as_text()
-                runs[spec] = {"max_diff": float(np.max(np.abs(got - ref))), "manual": manual}
+                runs[spec] = {"max_diff": float(np.max(np.abs(got - ref))), "manual": manual,
+                              "tensor_shards": sorted({record[2] for record in seen})}
             out[variant] = {"max_logit": float(np.max(np.abs(ref))), "runs": runs}
     # The engine's own programs (which take sharded arguments without a mesh context) run it too: the
     # autoregressive baseline, grouped path forced, on one device and on a mesh, and which layers traced it.
     from dflash_jax.engine import generate as engine
-    from dflash_jax.models.experts import recording_sharded
 
     tc, tp = tiny_moe_target("qwen3_moe")
     prompts = [[3, 5, 7, 11], [13, 17, 19, 23]]

@@ -299,7 +299,7 @@ def grouped_experts(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig
     """The (token, k) pairs sorted by expert, one grouped matmul per projection, outputs added back: on GPUs
     the Pallas kernel of ``models/grouped_matmul`` (same contract as ``ragged_dot``, whose XLA:GPU lowering
     computes every expert on every row), elsewhere ``jax.lax.ragged_dot``. Under a mesh that splits the
-    experts, the batch or (float weights) each expert's intermediate units, each device runs its own share
+    experts, the batch or each expert's intermediate units, each device runs its own share
     (``_grouped_sharded``)."""
     shards, batch = mesh_split(cfg.num_experts, x.shape[0])
     rows_split = rows_split_of(experts, shards)
@@ -440,33 +440,39 @@ def _grouped_chunks(rows, expert_of, sizes, experts: StackedExperts, cfg: Expert
 
 
 def rows_split_of(experts: StackedExperts, shards: int) -> int:
-    """How many ways the traced mesh's tensor axis splits each expert's intermediate units in every float
-    projection (gate/up's output columns, down's input rows, gate/up's biases) as the sharding rules lay them
-    out: the ``tensor`` size, or 1 (no such axis, packed weights, whose blocks the rules may leave whole on one
-    projection and split on another, or an intermediate size it does not divide)."""
+    """How many ways the traced mesh's tensor axis splits each expert's intermediate units in every projection
+    (gate/up's outputs, down's inputs; float weights, their biases, or packed codes and scales, split alike)
+    as the sharding rules lay them out: the ``tensor`` size, or 1 (no such axis, or a projection whose
+    intermediate units, or their packed blocks, it does not divide: gpt-oss's 90 groups of 32 over 4)."""
     mesh = _traced_mesh()
-    if mesh.empty or ROWS_AXIS not in mesh.axis_names or mesh.shape[ROWS_AXIS] == 1 or experts.packed:
+    if mesh.empty or ROWS_AXIS not in mesh.axis_names or mesh.shape[ROWS_AXIS] == 1:
         return 1
-    for name, spec in _param_specs(experts, shards, mesh.shape[ROWS_AXIS]).items():
-        wanted = {"gate_proj": 2, "up_proj": 2, "down_proj": 1, "gate_proj_bias": 1, "up_proj_bias": 1}.get(name)
-        if wanted is not None and (len(spec) <= wanted or spec[wanted] != ROWS_AXIS):
-            return 1
+    specs = _param_specs(experts, shards, mesh.shape[ROWS_AXIS])
+    if any(ROWS_AXIS not in spec for name, spec in specs.items() if name != "down_proj_bias"):
+        return 1
     return mesh.shape[ROWS_AXIS]
+
+
+_ROWS_LOGICAL = tuple(name for name, axes in LOGICAL_TO_MESH.items()
+                      if axes == ROWS_AXIS or (isinstance(axes, tuple) and ROWS_AXIS in axes))
 
 
 def _param_specs(experts: StackedExperts, shards: int, rows_split: int) -> dict[str, jax.sharding.PartitionSpec]:
     """Each expert param's spec inside the shard_map: its experts over ``expert`` (``shards`` > 1) and, with
-    ``rows_split`` > 1, its intermediate units over ``tensor`` where the sharding rules put them; the other
-    mesh axes (``fsdp`` over the hidden size) stay outside: the shard_map takes those params whole, as the
-    layer would gather them anyway."""
+    ``rows_split`` > 1, its intermediate units over ``tensor`` where the sharding rules put them and the
+    size divides (quantised codes split where their scales split, as ``sharding.tree_shardings`` stores
+    them: whole blocks on every device); the other mesh axes (``fsdp`` over the hidden size, or MXFP4 rows
+    over ``fsdp`` too) stay outside: the shard_map takes those dims whole, as the layer would gather them."""
     out = {}
     for name, value in experts.params.items():
         logical = logical_axes(f"mlp/experts/{name}", value.ndim)
+        grid = experts.params.get(name[: -len("qweight")] + "qscale") if name.endswith("_qweight") else None
+        shape = grid.shape if grid is not None and grid.ndim == value.ndim else value.shape
         parts = []
-        for size, axis in zip(value.shape, logical):
+        for size, axis in zip(shape, logical):
             if axis == "experts" and shards > 1:
                 parts.append(EXPERT_AXIS)
-            elif axis == "mlp" and rows_split > 1 and size % rows_split == 0:
+            elif axis in _ROWS_LOGICAL and rows_split > 1 and size % rows_split == 0:
                 parts.append(ROWS_AXIS)
             else:
                 parts.append(None)
@@ -477,15 +483,15 @@ def _param_specs(experts: StackedExperts, shards: int, rows_split: int) -> dict[
 def _grouped_sharded(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig, shards: int,
                      batch: tuple[str, ...], rows_split: int = 1):
     """The grouped path inside a ``shard_map`` manual over the ``expert`` axis (``shards`` > 1), the batch axes
-    ``batch`` and, for float weights, ``tensor`` (``rows_split`` > 1): every device takes its batch rows'
+    ``batch`` and ``tensor`` (``rows_split`` > 1): every device takes its batch rows'
     tokens (replicated over ``expert`` and ``tensor``), runs the pairs routed to its own ``E / shards`` experts
-    through its own ``I / rows_split`` intermediate units of each, and one all-reduce over ``expert`` and
-    ``tensor`` sums the devices' partial outputs (float32; the down projection's bias is added by the first
-    tensor shard only). The grouped kernel has no partitioning rule: without this XLA gathered every expert of
+    through its own ``I / rows_split`` intermediate units of each (packed weights: decoding just those), and
+    one all-reduce over ``expert`` and ``tensor`` sums the devices' partial outputs (float32; the down
+    projection's bias is added by the first tensor shard only). The grouped kernel has no partitioning rule: without this XLA gathered every expert of
     the layer onto every device (Kimi-K2.5's prefill: 384 experts, 31.5 GiB in bfloat16 per layer), every row
     of the batch, and each expert's intermediate units split over ``tensor``; now each device reads and, for
     packed weights, decodes only its own experts (whole on it: gathered over ``fsdp`` as any FSDP-split weight
-    is for its layer; packed weights also over ``tensor``)."""
+    is for its layer)."""
     local = cfg.num_experts // shards
     rows = jax.sharding.PartitionSpec(batch or None)
     summed = (EXPERT_AXIS,) * (shards > 1) + (ROWS_AXIS,) * (rows_split > 1)
