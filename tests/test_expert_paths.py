@@ -31,25 +31,10 @@ CONFIGS = {
     "qwen3_moe": ExpertsConfig(E, K, I, **QWEN3_MOE),
 }
 # (path forced, routed form): the routed path in both of its forms, whatever this platform would pick.
-# The grouped path also with packed experts decoded a chunk of experts at a time (``DECODE_CHUNK_BYTES`` lowered
-# to 1 and to 4 experts' decoded weights: 8 and 2 chunks of the 8 experts).
-VARIANTS = (("dense", None), ("grouped", None), ("grouped", "chunks of 1"), ("grouped", "chunks of 4"),
-            ("routed", "looped"), ("routed", "gathered"))
+VARIANTS = (("dense", None), ("grouped", None), ("routed", "looped"), ("routed", "gathered"))
 # 2 x 7 tokens x top-2 = 28 pairs over 8 experts: experts repeat across tokens; 3 tokens x 2 = 6 <= 8 pairs:
 # the routed path is chosen without forcing.
 MANY, FEW = (2, 7), (1, 3)
-
-
-@contextlib.contextmanager
-def decode_chunk(form):
-    """Trace the grouped path with packed experts decoded ``form`` = "chunks of N" experts at a time."""
-    saved = X.DECODE_CHUNK_BYTES
-    if form is not None and form.startswith("chunks of "):
-        X.DECODE_CHUNK_BYTES = int(form.split()[-1]) * 3 * H * I * 4  # float32 decoded gate, up and down
-    try:
-        yield
-    finally:
-        X.DECODE_CHUNK_BYTES = saved
 
 
 @contextlib.contextmanager
@@ -91,7 +76,7 @@ def outputs():
         for name, cfg in CONFIGS.items():
             params = _params(cfg)
             for path, form in VARIANTS + (("auto", None),):
-                with routed_form(form), decode_chunk(form), X.force_expert_path(None if path == "auto" else path):
+                with routed_form(form), X.force_expert_path(None if path == "auto" else path):
                     fn = jax.jit(lambda p, x: X.Experts(cfg).apply({"params": p}, x))
                     for shape, x in xs.items():
                         if path != "auto" or shape == FEW:
@@ -293,19 +278,3 @@ def test_plan_expert_bytes_bound_the_busiest_device_by_brute_force():
         assert mean == read * size // 8 and routed == min(pairs, n_exp) * size // 8
         assert busiest >= mean
 
-
-def test_packed_experts_are_decoded_in_chunks_within_the_budget():
-    """``decode_chunks``: the fewest chunks (dividing the experts) whose decoded weights fit the budget; float
-    weights are never chunked. gpt-oss-120b's layer (128 experts of 2880 x 2880, bfloat16: 50 MB an expert
-    decoded) takes 8 chunks of 16 under the default 1 GiB."""
-    cfg = CONFIGS["gpt_oss_mxfp4"]
-    packed = X.StackedExperts({}, "mxfp4", jnp.float32)
-    per_expert = 3 * H * I * 4
-    with decode_chunk("chunks of 1"):
-        assert X.decode_chunks(packed, cfg, H, E) == E
-    with decode_chunk("chunks of 3"):  # 3 does not divide 8: chunks of 2
-        assert X.decode_chunks(packed, cfg, H, E) == 4
-    assert X.decode_chunks(X.StackedExperts({}, "float", jnp.float32), cfg, H, E) == 1
-    assert X.decode_chunks(packed, cfg, H, E) == 1 and X.DECODE_CHUNK_BYTES >= E * per_expert
-    big = ExpertsConfig(128, 4, 2880, weight_format="mxfp4", **GPT_OSS)
-    assert X.decode_chunks(X.StackedExperts({}, "mxfp4", jnp.bfloat16), big, 2880, 128) == 8

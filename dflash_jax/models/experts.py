@@ -348,30 +348,10 @@ def mesh_split(num_experts: int, num_rows: int) -> tuple[int, tuple[str, ...]]:
     return shards, batch
 
 
-# Packed experts on the grouped path are decoded at most this many bytes at a time: a layer's experts are decoded
-# a chunk of experts after another inside a loop, each chunk's grouped products run, then the next. A whole layer
-# at once is gpt-oss-120b's 6.4 GB in bfloat16 (and the TPU compiler kept several layers of it alive: the 8k
-# prefill asked for 131 GB of a v5p chip's 95.7).
-DECODE_CHUNK_BYTES = 1 << 30
-
-
-def decode_chunks(experts: StackedExperts, cfg: ExpertsConfig, hidden: int, count: int) -> int:
-    """How many chunks ``count`` packed experts are decoded in: the fewest that divides ``count`` and keeps a
-    chunk's decoded gate, up and down weights within ``DECODE_CHUNK_BYTES`` (1 for float weights)."""
-    if not experts.packed:
-        return 1
-    per_expert = 3 * hidden * cfg.intermediate_size * jnp.dtype(experts.dtype).itemsize
-    for chunks in range(1, count + 1):
-        if count % chunks == 0 and (count // chunks) * per_expert <= DECODE_CHUNK_BYTES:
-            return chunks
-    return count
-
-
 def _grouped_local(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig, first, count: int):
     """The grouped path over experts ``first .. first + count - 1`` (``experts`` holds just those): the pairs
     routed elsewhere are sorted past the groups, where the grouped product gives zero rows, and weighted 0.
-    Returns each token's sum over its pairs here, ``[N, H]`` in the product's dtype. Packed weights too large to
-    decode at once (``decode_chunks``) run chunk by chunk of experts (``_grouped_chunks``)."""
+    Returns each token's sum over its pairs here, ``[N, H]`` in the product's dtype."""
     n, k = ids.shape
     flat = ids.reshape(-1) - first
     mine = (flat >= 0) & (flat < count)
@@ -381,11 +361,7 @@ def _grouped_local(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig,
     token_of = order // k
     rows = x[token_of]  # [N * k, H], grouped by expert
     sizes = jnp.bincount(key, length=count + 1)[:count].astype(jnp.int32)
-    chunks = decode_chunks(experts, cfg, x.shape[-1], count)
-    if chunks == 1:
-        y = _grouped_products(rows, expert_of, sizes, experts.all(), cfg)
-    else:
-        y = _grouped_chunks(rows, expert_of, sizes, experts, cfg, chunks)
+    y = _grouped_products(rows, expert_of, sizes, experts.all(), cfg)
     # other devices' pairs are zeroed by a select, not by their weight: what a grouped product leaves in the rows
     # past its groups is documented as zero, but a select does not depend on it (0 x NaN would not be 0)
     y = jnp.where(mine[order][:, None], y * weights.reshape(-1)[order][:, None], 0)
@@ -411,32 +387,6 @@ def _grouped_products(rows, expert_of, sizes, p, cfg: ExpertsConfig):
     if cfg.expert_bias:
         y = y + p["down_proj_bias"][expert_of]
     return y
-
-
-def _grouped_chunks(rows, expert_of, sizes, experts: StackedExperts, cfg: ExpertsConfig, chunks: int):
-    """``_grouped_products`` over packed experts decoded ``count / chunks`` at a time, one chunk after another.
-    Chunk ``c``'s rows are contiguous in the sorted order: they are rotated to start at row 0 (the grouped
-    product's groups start there), multiplied by the chunk's experts, rotated back, and kept where they belong
-    to the chunk; every row belongs to one chunk at most, so the result equals one grouped product over all
-    experts row for row. The chunks are unrolled (static slices of the params: a loop would copy each layer's
-    packed weights into its state, which on the TPU cost more than the decode it bounds), and each chunk's
-    params wait for the previous chunk's result through an optimization barrier, so that one chunk's decoded
-    weights are alive at a time, not the layer's."""
-    count = sizes.shape[0]
-    size = count // chunks
-    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes)]).astype(jnp.int32)
-    position = jnp.arange(rows.shape[0], dtype=jnp.int32)
-    # the products' dtype: the rows' and the decoded weights' (the down projection gives back the hidden size)
-    total = jnp.zeros(rows.shape, jnp.result_type(rows.dtype, experts.dtype))
-    for lo in range(0, count, size):
-        params = {name: value[lo:lo + size] for name, value in experts.params.items()}
-        params, total = jax.lax.optimization_barrier((params, total))
-        begin, end = starts[lo], starts[lo + size]
-        y = _grouped_products(jnp.roll(rows, -begin, axis=0), jnp.clip(jnp.roll(expert_of, -begin) - lo, 0, size - 1),
-                              sizes[lo:lo + size], dataclasses.replace(experts, params=params).all(), cfg)
-        y = jnp.roll(y, begin, axis=0)
-        total = total + jnp.where(((position >= begin) & (position < end))[:, None], y, 0).astype(total.dtype)
-    return total
 
 
 def rows_split_of(experts: StackedExperts, shards: int) -> int:
