@@ -157,10 +157,11 @@ def grouped_expert_parallel():
     """The grouped expert path (prefill and training at real sizes) under meshes that split the experts or the
     batch: each device runs its own rows' pairs for its own experts (float weights: through its own share of
     their intermediate units over ``tensor``) inside a ``shard_map`` over ``expert``, ``tensor`` and the batch
-    axes, and one all-reduce over ``expert`` and ``tensor`` sums them (``experts._grouped_sharded``). Target logits, the grouped path forced, against one device, for
-    Qwen3-MoE, gpt-oss (expert biases) and Qwen3-MoE with FP8 experts kept packed (16 x 16 blocks, random codes
-    and scales: each device decodes its own experts' codes), gpt-oss with MXFP4 experts kept packed. Per variant and mesh: the largest difference, the
-    largest logit, and whether the program has the manual (shard_map) region."""
+    axes, and one all-reduce over ``expert`` and ``tensor`` sums them (``experts._grouped_sharded``). Target
+    logits, the grouped path forced, against one device, for Qwen3-MoE, gpt-oss (expert biases), Qwen3-MoE with
+    FP8 experts kept packed (16 x 16 blocks) and gpt-oss with MXFP4 experts kept packed (random codes and
+    scales: each device decodes its own experts' codes). Per variant and mesh: the largest difference, the
+    largest logit, whether the program has the manual (shard_map) region, and the tensor shards it used."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -171,30 +172,13 @@ def grouped_expert_parallel():
     out = {}
     for variant in ("qwen3_moe", "gpt_oss", "qwen3_moe/fp8", "gpt_oss/mxfp4"):
         tc, tp = tiny_moe_target(variant.split("/")[0])
-        if variant.endswith("mxfp4"):  # random codes, scales 2 ** (s - 127) for s in [122, 126)
+        if "/" in variant:  # packed experts: random codes and scales drawn for the packed params
             from dflash_jax.checkpoints.hf_target import abstract_target_params
 
-            # intermediate 64: two groups of 32 in down_proj's inputs, so that tensor=2 splits them
-            tc = dataclasses.replace(tc, experts=dataclasses.replace(tc.experts, weight_format="mxfp4",
-                                                                     intermediate_size=64))
-            rng = np.random.default_rng(5)
-
-            def draw(path, x):
-                name = path[-1].key
-                if name.endswith("_blocks"):
-                    return jnp.asarray(rng.integers(0, 256, x.shape, dtype=np.uint8))
-                if name.endswith("_scales"):
-                    return jnp.asarray(rng.integers(122, 126, x.shape, dtype=np.uint8))
-                if name.endswith("_proj_bias"):
-                    return jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
-                return None
-
-            tp = _merge(jax.tree_util.tree_map_with_path(draw, abstract_target_params(tc)), tp)
-        if variant.endswith("fp8"):
-            from dflash_jax.checkpoints.hf_target import abstract_target_params
-
-            tc = dataclasses.replace(tc, experts=dataclasses.replace(tc.experts, weight_format="fp8",
-                                                                     weight_block=(16, 16)))
+            packed = {"fp8": dict(weight_format="fp8", weight_block=(16, 16)),
+                      # intermediate 64: two groups of 32 in down_proj's inputs, so that tensor=2 splits them
+                      "mxfp4": dict(weight_format="mxfp4", intermediate_size=64)}[variant.split("/")[1]]
+            tc = dataclasses.replace(tc, experts=dataclasses.replace(tc.experts, **packed))
             rng = np.random.default_rng(3)
 
             def draw(path, x):
@@ -203,6 +187,12 @@ def grouped_expert_parallel():
                     return jnp.asarray(rng.standard_normal(x.shape).astype(ml_dtypes.float8_e4m3fn))
                 if name.endswith("_qscale"):
                     return jnp.asarray(0.05 + 0.1 * rng.random(x.shape), x.dtype)
+                if name.endswith("_blocks"):
+                    return jnp.asarray(rng.integers(0, 256, x.shape, dtype=np.uint8))
+                if name.endswith("_scales"):  # MXFP4: 2 ** (s - 127) for s in [122, 126)
+                    return jnp.asarray(rng.integers(122, 126, x.shape, dtype=np.uint8))
+                if name.endswith("_proj_bias"):  # the expert biases, at the new width for MXFP4
+                    return jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
                 return None
 
             tp = _merge(jax.tree_util.tree_map_with_path(draw, abstract_target_params(tc)), tp)

@@ -41,7 +41,7 @@ MANY, FEW = (2, 7), (1, 3)
 def routed_form(form):
     """Trace the routed path in ``form`` ("looped", "gathered"; None: the platform's choice)."""
     saved = dict(X.ROUTED_LOOP)
-    if form in ("looped", "gathered"):
+    if form is not None:
         X.ROUTED_LOOP.update({(platform, packed): form == "looped" for platform in ("cpu", "gpu", "tpu")
                               for packed in (False, True)})
     try:
@@ -277,4 +277,3 @@ def test_plan_expert_bytes_bound_the_busiest_device_by_brute_force():
         assert busiest == worst[path] * size // 2, path
         assert mean == read * size // 8 and routed == min(pairs, n_exp) * size // 8
         assert busiest >= mean
-

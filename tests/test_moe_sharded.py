@@ -34,9 +34,11 @@ def test_sharded_moe_targets_equal_one_device():
             assert all("expert" in s for s in load["expert_specs"]), (variant, load)
         assert any("tensor" in s for s in out["sharded_load"]["qwen3_next"]["linear_specs"]), out["sharded_load"]
     # The grouped path under meshes that split the experts or the batch runs each device's own experts and rows
-    # in a shard_map: the one-device logits within 1e-5 of the largest logit (float32 rounding: a grouped
-    # product over fewer rows, and the tensor split's partial sums; measured up to 8.0e-6 of it, gpt-oss
-    # with MXFP4 experts on data=2,tensor=4; a down-projection bias left out, which one tensor shard adds, is 4.6 off).
+    # in a shard_map: the one-device logits within 2e-5 of the largest logit (float32 rounding: a grouped
+    # product over fewer rows, and the tensor split's partial sums; measured up to 1.01e-5 of it, gpt-oss with
+    # random MXFP4 experts, whose weights reach 1.5, on expert=4,tensor=2, and 9.1e-6 on data=2,tensor=4, where
+    # tensor stays XLA's as before the split; a wrong slice or a bias added by every tensor shard is O(1) off:
+    # the down-projection bias left out, measured, 4.6).
     engine = out["grouped_ep"].pop("engine")
     assert engine["tokens"]["data=2,tensor=2,expert=2"] == engine["tokens"]["one"]
     # (expert shards, batch axes, tensor shards): float experts split over all three
@@ -51,7 +53,7 @@ def test_sharded_moe_targets_equal_one_device():
                 assert run["tensor_shards"] == [2], (variant, spec, run)
             if spec == "data=2,tensor=4":
                 assert run["tensor_shards"] == ([1] if "/" in variant else [4]), (variant, spec, run)
-            assert run["max_diff"] <= 1e-5 * ep["max_logit"], (variant, spec, run, ep["max_logit"])
+            assert run["max_diff"] <= 2e-5 * ep["max_logit"], (variant, spec, run, ep["max_logit"])
     for family in ("qwen3_moe", "gpt_oss", "qwen3_next"):
         runs = out[family]["runs"]
         for key, run in runs.items():

@@ -352,6 +352,11 @@ def _grouped_local(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig,
     """The grouped path over experts ``first .. first + count - 1`` (``experts`` holds just those): the pairs
     routed elsewhere are sorted past the groups, where the grouped product gives zero rows, and weighted 0.
     Returns each token's sum over its pairs here, ``[N, H]`` in the product's dtype."""
+    if current_platform() == "gpu":  # imported here: only programs traced for GPUs need Pallas
+        from dflash_jax.models.grouped_matmul import grouped_matmul as product
+    else:
+        product = jax.lax.ragged_dot
+    p = experts.all()
     n, k = ids.shape
     flat = ids.reshape(-1) - first
     mine = (flat >= 0) & (flat < count)
@@ -361,7 +366,13 @@ def _grouped_local(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig,
     token_of = order // k
     rows = x[token_of]  # [N * k, H], grouped by expert
     sizes = jnp.bincount(key, length=count + 1)[:count].astype(jnp.int32)
-    y = _grouped_products(rows, expert_of, sizes, experts.all(), cfg)
+    gate = product(rows, p["gate_proj"], sizes)
+    up = product(rows, p["up_proj"], sizes)
+    if cfg.expert_bias:
+        gate, up = gate + p["gate_proj_bias"][expert_of], up + p["up_proj_bias"][expert_of]
+    y = product(activate(gate, up, cfg), p["down_proj"], sizes)
+    if cfg.expert_bias:
+        y = y + p["down_proj_bias"][expert_of]
     # other devices' pairs are zeroed by a select, not by their weight: what a grouped product leaves in the rows
     # past its groups is documented as zero, but a select does not depend on it (0 x NaN would not be 0)
     y = jnp.where(mine[order][:, None], y * weights.reshape(-1)[order][:, None], 0)
@@ -370,23 +381,6 @@ def _grouped_local(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig,
     # rounding, could change from run to run; the first H200 run saw repeated runs of one program disagree.)
     y = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(n, k, -1)
     return jnp.sum(y, axis=1)
-
-
-def _grouped_products(rows, expert_of, sizes, p, cfg: ExpertsConfig):
-    """One grouped matmul per projection over ``rows`` sorted by expert (``sizes`` rows each, from row 0;
-    ``expert_of`` each row's expert, for the biases) with the decoded weights ``p``: ``[rows, H]``."""
-    if current_platform() == "gpu":  # imported here: only programs traced for GPUs need Pallas
-        from dflash_jax.models.grouped_matmul import grouped_matmul as product
-    else:
-        product = jax.lax.ragged_dot
-    gate = product(rows, p["gate_proj"], sizes)
-    up = product(rows, p["up_proj"], sizes)
-    if cfg.expert_bias:
-        gate, up = gate + p["gate_proj_bias"][expert_of], up + p["up_proj_bias"][expert_of]
-    y = product(activate(gate, up, cfg), p["down_proj"], sizes)
-    if cfg.expert_bias:
-        y = y + p["down_proj_bias"][expert_of]
-    return y
 
 
 def rows_split_of(experts: StackedExperts, shards: int) -> int:
@@ -433,14 +427,14 @@ def _param_specs(experts: StackedExperts, shards: int, rows_split: int) -> dict[
 def _grouped_sharded(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfig, shards: int,
                      batch: tuple[str, ...], rows_split: int = 1):
     """The grouped path inside a ``shard_map`` manual over the ``expert`` axis (``shards`` > 1), the batch axes
-    ``batch`` and ``tensor`` (``rows_split`` > 1): every device takes its batch rows'
-    tokens (replicated over ``expert`` and ``tensor``), runs the pairs routed to its own ``E / shards`` experts
-    through its own ``I / rows_split`` intermediate units of each (packed weights: decoding just those), and
-    one all-reduce over ``expert`` and ``tensor`` sums the devices' partial outputs (float32; the down
-    projection's bias is added by the first tensor shard only). The grouped kernel has no partitioning rule: without this XLA gathered every expert of
-    the layer onto every device (Kimi-K2.5's prefill: 384 experts, 31.5 GiB in bfloat16 per layer), every row
-    of the batch, and each expert's intermediate units split over ``tensor``; now each device reads and, for
-    packed weights, decodes only its own experts (whole on it: gathered over ``fsdp`` as any FSDP-split weight
+    ``batch`` and ``tensor`` (``rows_split`` > 1): every device takes its batch rows' tokens (replicated over
+    ``expert`` and ``tensor``), runs the pairs routed to its own ``E / shards`` experts through its own
+    ``I / rows_split`` intermediate units of each (packed weights: decoding just those), and one all-reduce over
+    ``expert`` and ``tensor`` sums the devices' partial outputs (float32; the down projection's bias is added by
+    the first tensor shard only). The grouped kernel has no partitioning rule: without this XLA gathered every
+    expert of the layer onto every device (Kimi-K2.5's prefill: 384 experts, 31.5 GiB in bfloat16 per layer),
+    every row of the batch, and each expert's intermediate units split over ``tensor``; now each device reads
+    and, for packed weights, decodes only its own share (whole over ``fsdp``: gathered as any FSDP-split weight
     is for its layer)."""
     local = cfg.num_experts // shards
     rows = jax.sharding.PartitionSpec(batch or None)
@@ -462,9 +456,9 @@ def _grouped_sharded(x, weights, ids, experts: StackedExperts, cfg: ExpertsConfi
     first = jnp.arange(shards, dtype=jnp.int32) * local
     lead = jnp.arange(rows_split) == 0
     _note_sharded(shards, batch, rows_split)
+    over = lambda axis, n: jax.sharding.PartitionSpec(axis if n > 1 else None)  # noqa: E731
     out = jax.shard_map(body, mesh=_traced_mesh(),
-                        in_specs=(rows, rows, rows, specs, jax.sharding.PartitionSpec(EXPERT_AXIS if shards > 1 else None),
-                                  jax.sharding.PartitionSpec(ROWS_AXIS if rows_split > 1 else None)),
+                        in_specs=(rows, rows, rows, specs, over(EXPERT_AXIS, shards), over(ROWS_AXIS, rows_split)),
                         out_specs=rows, axis_names={*batch, *summed},
                         # the Pallas kernel's outputs carry no varying-axes type: the psum makes the result
                         # replicated over ``expert`` and ``tensor``, which the out_specs say
