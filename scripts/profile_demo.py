@@ -106,7 +106,7 @@ class Loop:
         g._EXECUTABLES.clear()
         g.decode_round = round_fn or original
         try:
-            self.pre, self.loop, _ = g.executables(target_config, target_params, proposer, inputs, settings,
+            self.pre, self.loop, _, _ = g.executables(target_config, target_params, proposer, inputs, settings,
                                                    self.batch, self.key, jnp.float32)
         finally:
             g.decode_round = original

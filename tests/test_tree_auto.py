@@ -5,7 +5,8 @@ References: brute-force enumeration of every draft prefix (NumPy) for the surrog
 chain's); the policy's decisions on hand-made observations, checked against what its documented rule implies
 (a tree that cannot pay is never probed; probes back off; a tree that pays is kept); and in the engine, the
 target's own autoregressive output (every phase, chain or tree, is lossless) and today's chain run (an auto
-run whose trees cannot pay IS the chain: same tokens, same acceptance lengths round by round).
+run whose trees cannot pay IS the chain: same tokens, same acceptance lengths round by round; one whose
+calibration shows no tree can pay runs the chain's own program).
 """
 
 import itertools
@@ -220,6 +221,38 @@ def test_auto_whose_trees_cannot_pay_is_the_chain(pair):
     assert runs["auto"].tokens == runs["chain"].tokens == ar.tokens
     assert runs["auto"].accept_lengths == runs["chain"].accept_lengths
     assert {b for row in runs["auto"].widths for b in row} == {0}
+
+
+def test_auto_runs_the_chain_program_when_calibration_finds_no_tree_can_pay(pair, monkeypatch):
+    """Costs from calibration (its runs real, the figures it returns given): with a tree round at 10 chain
+    rounds, not even a whole block per tree round (8 / 10) beats the chain's calibration rounds (about 1 token
+    per round from a random draft), so ``generate`` decodes with the chain's own program: the chain's tokens
+    and acceptance lengths, every round logged as budget 0. At equal costs the trees stay in play (the
+    phase rule runs: a probe takes a tree round)."""
+    import dflash_jax.engine.generate as g
+
+    tc, tp, prompts, ar = pair
+    dc, dp = tiny_draft(block=BLOCK)
+    prop = DFlashProposer(dc, BLOCK)
+
+    def run(**extra):
+        inputs = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), len(prompts), 256)
+        return generate(tc, tp, prompts, prop, inputs, DecodeSettings(max_new_tokens=MAX_NEW, **extra))
+
+    chain = run()
+    measured = adaptive.calibrate
+    for costs, chain_only in (((0.1, 1.0), True), ((1.0, 1.0), False)):
+        monkeypatch.setattr(g, "_EXECUTABLES", {})  # calibrate afresh
+        monkeypatch.setattr(adaptive, "calibrate", lambda widths, runs, c=costs: (
+            measured(widths, runs), np.asarray(c, np.float32))[1])
+        auto = run(tree_auto=(8,))
+        assert auto.tree_auto_chain is chain_only and auto.width_costs == pytest.approx(costs)
+        assert auto.tokens == ar.tokens
+        if chain_only:
+            assert auto.accept_lengths == chain.accept_lengths
+            assert auto.widths == [[0] * n for n in auto.rounds]
+        else:
+            assert 8 in {b for row in auto.widths for b in row}, auto.widths
 
 
 def test_refusals():

@@ -25,7 +25,7 @@ Everything is lossless by construction: a phase only changes how many proposals 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -213,7 +213,9 @@ def rounds_per_width(widths: Iterable[Iterable[int]]) -> dict[int, int]:
 #   as one phase of that many phases' rounds (TREE_MAX_GAP's while no budget is hopeful).
 # - A budget that cannot pay even if every round accepted a whole block (``block / cost(n)`` below the
 #   chain's observed tokens per unit of time) is never probed: where a tree round costs several chain rounds
-#   (small models, CPUs) the decode stays a chain at the cost of its phase bookkeeping alone.
+#   (small models, CPUs) the decode stays a chain. Where calibration already shows every budget hopeless
+#   against the chain's calibration rounds, ``generate`` runs the plain chain program instead (the phase
+#   bookkeeping alone, a zero-round loop per option, cost the shipped CPU pair up to 19% of the chain's speed).
 #
 # Lossless: every option verifies losslessly, and the choice depends only on drafts and committed tokens.
 
@@ -292,14 +294,21 @@ def tree_rates(policy: TreePolicy, options: tuple[int, ...], block: int) -> tupl
     return tokens / policy.costs, known
 
 
+def hopeful_budgets(costs: Any, options: tuple[int, ...], block: int, chain_rate: Any) -> Any:
+    """Per tree budget: could it beat the chain (``chain_rate`` committed tokens per unit of ``costs``) by
+    TREE_MARGIN even if every round of it committed all it can (``min(block, budget + 1)`` tokens)? NumPy or
+    jax arrays alike: the phase rule asks it on the device, ``generate`` once on the host after calibrating."""
+    cap = np.asarray([min(block, b + 1) for b in options[1:]], np.float32)
+    return cap / costs[1:] > chain_rate * (1.0 + TREE_MARGIN)
+
+
 def next_tree_phase(policy: TreePolicy, options: tuple[int, ...], block: int
                     ) -> tuple[jax.Array, jax.Array, TreePolicy]:
     """``(option index, rounds, policy)`` of the next phase (see the section comment above)."""
     rate, known = tree_rates(policy, options, block)
-    cap = jnp.asarray([min(block, b + 1) for b in options[1:]], jnp.float32)
     # A budget is hopeless when a round committing all it can would still lose to the chain as observed.
     chain_rate = rate[0] * (1.0 + TREE_MARGIN)
-    hopeful = jnp.where(known[0], cap / policy.costs[1:] > chain_rate, True)
+    hopeful = jnp.where(known[0], hopeful_budgets(policy.costs, options, block, rate[0]), True)
     candidates = jnp.concatenate([jnp.ones((1,), bool), hopeful & known[1:]])
     best = jnp.argmax(jnp.where(candidates, rate.at[0].set(chain_rate), -jnp.inf)).astype(jnp.int32)
     largest = jnp.int32(len(options) - 1) - jnp.argmax(hopeful[::-1]).astype(jnp.int32)

@@ -469,6 +469,8 @@ class GenerationResult:
     # per row, every round's verify width (adaptive widths) or tree budget (tree auto; 0: the chain)
     widths: list[list[int]] | None = None
     width_costs: list[float] | None = None  # relative round time of each width or option the choice used
+    # ``--tree auto`` whose calibration showed every tree budget hopeless: the decode ran the chain's program
+    tree_auto_chain: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -605,8 +607,11 @@ def to_host(x: Any) -> np.ndarray:
 
 
 def executables(target_config: TargetConfig, target_params: dict, proposer, proposer_inputs: tuple[Any, Any],
-                settings: DecodeSettings, batch: PaddedBatch, key: jax.Array, dtype: Any) -> tuple[Any, Any]:
-    """The compiled ``(prefill, loop)`` for this call, from the cache or compiled (and warmed up) now."""
+                settings: DecodeSettings, batch: PaddedBatch, key: jax.Array, dtype: Any
+                ) -> tuple[Any, Any, np.ndarray | None, bool]:
+    """The compiled ``(prefill, loop, costs, chain_only)`` for this call, from the cache or compiled (and warmed
+    up) now. ``costs``: the calibrated (or given) relative round costs of adaptive widths or tree options;
+    ``chain_only``: ``--tree auto`` where no tree budget could beat the chain's calibration rounds."""
     consts, pstate = proposer_inputs
     signature = (target_config, proposer, settings, batch.slots, dtype, _shapes(target_params),
                  _shapes(proposer_inputs), batch.tokens.shape)
@@ -624,29 +629,35 @@ def executables(target_config: TargetConfig, target_params: dict, proposer, prop
         # token); one round of warm-up keeps that out of the timings.
         warm = pre_c(target_params, consts, pstate, batch.tokens, batch.lengths, key)
         jax.block_until_ready(loop_c(target_params, consts, warm, jnp.int32(1)))
-        costs = _width_costs(pre_c, loop_c, target_params, proposer_inputs, settings, proposer.block_size, batch, key)
-        _EXECUTABLES[signature] = (pre_c, loop_c, costs)
+        costs, chain_tokens = _width_costs(pre_c, loop_c, target_params, proposer_inputs, settings,
+                                           proposer.block_size, batch, key)
+        chain_only = bool(settings.tree_auto) and chain_tokens is not None and not np.any(adaptive.hopeful_budgets(
+            costs, adaptive.tree_options(settings.tree_auto), proposer.block_size, chain_tokens / costs[0]))
+        _EXECUTABLES[signature] = (pre_c, loop_c, costs, chain_only)
         while len(_EXECUTABLES) > _MAX_EXECUTABLES:
             _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
     return _EXECUTABLES[signature]
 
 
 def _width_costs(pre_c: Any, loop_c: Any, target_params: dict, proposer_inputs: tuple[Any, Any],
-                 settings: DecodeSettings, block: int, batch: PaddedBatch, key: jax.Array) -> np.ndarray | None:
-    """Relative round cost of each adaptive verify width (or ``--tree auto`` option: the chain, then each
-    budget): given, or timed on this batch with the compiled loop itself (each forced in turn), so the costs
-    are those of this device and program."""
+                 settings: DecodeSettings, block: int, batch: PaddedBatch, key: jax.Array
+                 ) -> tuple[np.ndarray | None, float | None]:
+    """``(costs, chain_tokens)``: the relative round cost of each adaptive verify width (or ``--tree auto``
+    option: the chain, then each budget), given or timed on this batch with the compiled loop itself (each
+    forced in turn), so the costs are those of this device and program; and, when timed for tree auto, the
+    tokens a row committed per chain round in those timing runs (else None)."""
     if settings.tree_auto:
         widths, what = adaptive.tree_options(settings.tree_auto), "option (the chain, then each tree budget)"
     elif settings.adaptive_widths:
         widths, what = adaptive.verify_widths(settings.adaptive_widths, block), "verify width"
     else:
-        return None
+        return None, None
     if settings.width_costs:
         if len(settings.width_costs) != len(widths):
             raise UserError(f"width_costs needs one cost per {what} {widths}, got {settings.width_costs}")
-        return np.asarray(settings.width_costs, np.float32)
+        return np.asarray(settings.width_costs, np.float32), None
     consts, pstate = proposer_inputs
+    chain = [0.0, 0.0]  # tokens committed, row rounds: option 0's timing runs
 
     def run_rounds(index: int) -> tuple[float, int]:
         state = pre_c(target_params, consts, pstate, batch.tokens, batch.lengths, key)
@@ -655,14 +666,20 @@ def _width_costs(pre_c: Any, loop_c: Any, target_params: dict, proposer_inputs: 
         state = jax.block_until_ready(state)
         t0 = time.perf_counter()
         state = jax.block_until_ready(loop_c(target_params, consts, state, jnp.int32(adaptive.CALIBRATION_ROUNDS)))
-        return time.perf_counter() - t0, int(to_host(state.step))
+        seconds = time.perf_counter() - t0
+        if index == 0:
+            chain[0] += float(np.sum(to_host(state.num_out) - 1))  # the prefill's first token is not a round's
+            chain[1] += float(np.sum(to_host(state.rounds)))
+        return seconds, int(to_host(state.step))
 
     costs = adaptive.calibrate(widths, run_rounds)
+    chain_tokens = chain[0] / max(chain[1], 1.0)
     if jax.process_count() > 1:  # every process must take the same widths: process 0's timings decide
         from jax.experimental import multihost_utils
 
-        costs = np.asarray(multihost_utils.broadcast_one_to_all(costs), np.float32)
-    return costs
+        both = np.asarray(multihost_utils.broadcast_one_to_all(np.append(costs, chain_tokens)), np.float32)
+        costs, chain_tokens = both[:-1], float(both[-1])
+    return costs, (chain_tokens if settings.tree_auto else None)
 
 
 def _with_costs(state: LoopState, costs: np.ndarray | None) -> LoopState:
@@ -731,18 +748,25 @@ def generate(
     consts, pstate = proposer_inputs
 
     t0 = time.perf_counter()
-    pre_c, loop_c, costs = executables(target_config, target_params, proposer, proposer_inputs, settings, batch, key,
-                                       dtype)
+    pre_c, loop_c, costs, chain_only = executables(target_config, target_params, proposer, proposer_inputs, settings,
+                                                   batch, key, dtype)
+    run_settings = settings
+    if chain_only:  # --tree auto where no tree can pay on this device and batch: the chain's own program
+        run_settings = dataclasses.replace(settings, tree_auto=(), width_costs=())
+        pre_c, loop_c, _, _ = executables(target_config, target_params, proposer, proposer_inputs, run_settings,
+                                          batch, key, dtype)
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     state = jax.block_until_ready(pre_c(target_params, consts, pstate, batch.tokens, batch.lengths, key))
     prefill_s = time.perf_counter() - t0
     _check_prefill(state)
-    state = _with_costs(state, costs)
+    state = _with_costs(state, None if chain_only else costs)
 
     t0 = time.perf_counter()
     state = _decode(loop_c, target_params, consts, state, settings.max_new_tokens, on_tokens, chunk_rounds)
-    result = _result(state, settings, prefill_s, time.perf_counter() - t0, compile_s)
+    result = _result(state, run_settings, prefill_s, time.perf_counter() - t0, compile_s)
     result.width_costs = None if costs is None else [float(c) for c in costs]
+    if chain_only:  # every round a chain round (budget 0), as the phase rule would have logged them
+        result.widths, result.tree_auto_chain = [[0] * r for r in result.rounds], True
     return result

@@ -53,6 +53,7 @@ from typing import Any, Mapping, NamedTuple
 
 import flax.linen as nn
 import jax
+from jax.experimental.layout import Layout, with_layout_constraint
 import jax.numpy as jnp
 
 from dflash_jax.models import mxfp4, quantized_experts
@@ -226,6 +227,7 @@ class StackedExperts:
         if not self.packed:
             return self
         params, _ = jax.lax.optimization_barrier((dict(self.params), x))
+        params = {k: with_layout_constraint(v, Layout(tuple(range(v.ndim)))) for k, v in params.items()}
         return dataclasses.replace(self, params=params)
 
     def _each(self, rows, plain) -> dict[str, jax.Array]:
