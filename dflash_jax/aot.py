@@ -217,13 +217,15 @@ def abstract(tree: Any, shardings: Any) -> Any:
 def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: int = 4096,
                 max_new_tokens: int = 256, dtype: Any = jnp.bfloat16, mesh: str | None = None,
                 experts: str = "dequantize", attention: str = "auto", device: str = "cpu",
-                block_size: int | None = None, tree_budget: int = 0, progress=None, keep_text: bool = False) -> dict:
+                block_size: int | None = None, tree_budget: int = 0, prefill_chunk: int | None = None, progress=None,
+                keep_text: bool = False) -> dict:
     """Compile the engine's prefill and decode loop for ``device`` from abstract params (no weights) and
     report what one device holds and runs. ``context``: the positions a row holds at the end (its prompt is
     ``context - max_new_tokens`` tokens); ``mesh``: ``axis=size`` pairs (``tensor=8``); ``experts``: quantised
     expert weights (gpt-oss's MXFP4, the FP8 / INT4 of ``target_config.quantization``) ``packed`` (as
     ``--experts packed``) or decoded. ``draft_config`` None plans the
-    autoregressive baseline; ``tree_budget``: rounds verify a draft tree of that many nodes (``--tree``).
+    autoregressive baseline; ``tree_budget``: rounds verify a draft tree of that many nodes (``--tree``);
+    ``prefill_chunk``: the prefill's chunk width (None: the engine's default).
     ``keep_text`` adds the compiled programs' HLO text under ``_text``."""
     from dflash_jax import sharding
     from dflash_jax.checkpoints.expert_layouts import with_packed_experts
@@ -266,7 +268,8 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
             recording_reads() as reads:
         tparams = abstract_target_params(target_config, dtype)
         tparams = abstract(tparams, sharding.tree_shardings(tparams, the_mesh))
-        settings = DecodeSettings(max_new_tokens, mesh=the_mesh, attention=attention, tree_budget=tree_budget)
+        chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
+        settings = DecodeSettings(max_new_tokens, mesh=the_mesh, attention=attention, tree_budget=tree_budget, **chunk)
         if draft_config is None:
             proposer, (consts, pstate) = NoProposer(), NoProposer().init()
         else:
@@ -314,6 +317,9 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
         "cache_gib": gib(caches),
         "other_state_gib": gib(other_state),
         "temporaries_gib": gib(temps),
+        # the prefill's inputs as the device lays them out (padded tiles included): above weights + caches
+        # when the compiler's layouts pad them
+        "prefill_arguments_gib": gib(int(pre_mem.argument_size_in_bytes)),
         "total_gib": gib(total),
         "device_memory_gib": gib(target.memory_bytes) if target.memory_bytes else None,
         "fits": (total <= target.memory_bytes) if target.memory_bytes else None,

@@ -163,6 +163,19 @@ def test_tensor_mesh_prefill_runs_each_devices_own_intermediate_units(device):
     assert re.search(r"bf16\[16,64,32\]", prefill) and re.search(r"bf16\[16,32,64\]", prefill)
 
 
+@needs["h200"]
+def test_packed_experts_enter_the_prefill_chunk_loop_as_stored():
+    """A prefill of several chunks (a loop over them) with packed MXFP4 experts: the blocks reach the loop in
+    their stored (row-major) layout. Unpinned, XLA:GPU gives them the layout the decode reads best and makes
+    that copy of every layer's experts once before the loop, alive through it (gpt-oss-120b at 8k: 61.9 GiB
+    of temporaries against 3.2 pinned; ``experts.PIN_PACKED_LAYOUT``)."""
+    p = plan(GPT_OSS, "h200", experts="packed", prefill_chunk=256, keep_text=True)
+    text = p["_text"]["prefill"]
+    blocks = re.findall(r"u8\[32,\d+,2,16\]\{([\d,]+)\}", text)
+    assert blocks and re.search(r"= \(.*\) while\(", text)
+    assert set(blocks) == {"3,2,1,0"}, sorted(set(blocks))
+
+
 def test_cpu_program_counts_its_live_length_loops():
     """The counter can fail: on the CPU the default attention walks the live length in a loop per layer
     (4 target layers + 2 draft layers), and ``--attention xla`` removes them."""
