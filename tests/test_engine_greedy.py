@@ -233,7 +233,7 @@ def test_adaptive_calibration_measures_every_width(setup):
     assert out.tokens == ar.tokens
     from dflash_jax.engine import generate as engine
 
-    costs = [c for *_, c in engine._EXECUTABLES.values() if c is not None and len(c) == 3]
+    costs = [c for _, _, c, _ in engine._EXECUTABLES.values() if c is not None and len(c) == 3]
     assert costs and costs[-1][-1] == 1.0 and all(0 < c < 10 for c in costs[-1]), costs
     assert costs[-1][0] < 1.0, costs  # an autoregressive round is cheaper than a round of the block
 
