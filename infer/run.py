@@ -261,7 +261,7 @@ def generate_main(args: argparse.Namespace) -> int:
     main_result = dflash or baseline
     summary = summarize(dflash, baseline)
     if dflash is not None and decoder.tree_auto:
-        summary["dflash"]["tree_auto"] = tree_budget_summary(dflash.widths)
+        summary["dflash"]["tree_auto"] = dict(tree_budget_summary(dflash.widths), chain_program=dflash.tree_auto_chain)
     rows = []
     for i, p in enumerate(prompts):
         row = {"prompt": p, "text": decode_continuation(tokenizer, ids[i], main_result.tokens[i]),
@@ -316,6 +316,9 @@ def format_summary(summary: dict) -> str:
                 lines.append(f"tree    : auto, mean budget {t['mean_budget']:.1f} nodes per round, the chain in "
                              f"{100 * t['chain_share']:.0f}% of rounds (rounds per budget, 0 = chain: "
                              f"{t['rounds_per_budget']})")
+                if t["chain_program"]:
+                    lines.append("          (calibration on these prompts: no tree budget committed more per unit of "
+                                 "time than the chain, so the chain's own program decoded)")
     if summary.get("speedup") is not None:
         lines.append(f"speedup : {summary['speedup']:.2f}x (decode tokens/s, DFlash vs baseline, same engine)")
     return "\n".join(lines)

@@ -223,33 +223,37 @@ def test_auto_whose_trees_cannot_pay_is_the_chain(pair):
     assert {b for row in runs["auto"].widths for b in row} == {0}
 
 
-def test_auto_runs_the_chain_program_when_calibration_finds_no_tree_can_pay(pair, monkeypatch):
-    """Costs from calibration (its runs real, the figures it returns given): with a tree round at 10 chain
-    rounds, not even a whole block per tree round (8 / 10) beats the chain's calibration rounds (about 1 token
-    per round from a random draft), so ``generate`` decodes with the chain's own program: the chain's tokens
-    and acceptance lengths, every round logged as budget 0. At equal costs the trees stay in play (the
-    phase rule runs: a probe takes a tree round)."""
+def test_auto_runs_the_chain_program_when_calibration_finds_no_tree_pays(pair, monkeypatch):
+    """Calibration's runs are real, the costs it returns given. ``generate`` decodes with the chain's own
+    program (the chain's tokens and acceptance lengths, every round logged as budget 0) when no tree's
+    calibration rounds committed more per unit of time than the chain's: a random draft at equal costs (its
+    trees commit about what the chain does, ~1 token a round), and the oracle draft whose trees do pay, at a
+    tree round of 10 chain rounds. The oracle draft at equal costs keeps the trees in play (the phase rule
+    runs and takes tree rounds)."""
     import dflash_jax.engine.generate as g
 
     tc, tp, prompts, ar = pair
     dc, dp = tiny_draft(block=BLOCK)
     prop = DFlashProposer(dc, BLOCK)
 
-    def run(**extra):
+    def random_draft(**extra):
         inputs = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), len(prompts), 256)
         return generate(tc, tp, prompts, prop, inputs, DecodeSettings(max_new_tokens=MAX_NEW, **extra))
 
-    chain = run()
+    def oracle(**extra):
+        return oracle_run(tc, tp, prompts, ar, **extra)
+
     measured = adaptive.calibrate
-    for costs, chain_only in (((0.1, 1.0), True), ((1.0, 1.0), False)):
+    for run, costs, chain_only in ((random_draft, (1.0, 1.0), True), (oracle, (0.1, 1.0), True),
+                                   (oracle, (1.0, 1.0), False)):
         monkeypatch.setattr(g, "_EXECUTABLES", {})  # calibrate afresh
         monkeypatch.setattr(adaptive, "calibrate", lambda widths, runs, c=costs: (
             measured(widths, runs), np.asarray(c, np.float32))[1])
         auto = run(tree_auto=(8,))
-        assert auto.tree_auto_chain is chain_only and auto.width_costs == pytest.approx(costs)
+        assert auto.tree_auto_chain is chain_only and auto.width_costs == pytest.approx(costs), run.__name__
         assert auto.tokens == ar.tokens
         if chain_only:
-            assert auto.accept_lengths == chain.accept_lengths
+            assert auto.accept_lengths == run().accept_lengths
             assert auto.widths == [[0] * n for n in auto.rounds]
         else:
             assert 8 in {b for row in auto.widths for b in row}, auto.widths

@@ -213,9 +213,11 @@ def rounds_per_width(widths: Iterable[Iterable[int]]) -> dict[int, int]:
 #   as one phase of that many phases' rounds (TREE_MAX_GAP's while no budget is hopeful).
 # - A budget that cannot pay even if every round accepted a whole block (``block / cost(n)`` below the
 #   chain's observed tokens per unit of time) is never probed: where a tree round costs several chain rounds
-#   (small models, CPUs) the decode stays a chain. Where calibration already shows every budget hopeless
-#   against the chain's calibration rounds, ``generate`` runs the plain chain program instead (the phase
-#   bookkeeping alone, a zero-round loop per option, cost the shipped CPU pair up to 19% of the chain's speed).
+#   (small models, CPUs) the decode stays a chain.
+# - Calibration times every option on the call's own prompts and counts what each committed. Where no budget's
+#   calibration rounds beat the chain's (tokens per unit of time, by TREE_MARGIN), ``generate`` runs the plain
+#   chain program instead (``paying_budgets``): the phase bookkeeping alone, a zero-round loop per option,
+#   cost the shipped CPU pair up to 19% of the chain's speed, and its probes more.
 #
 # Lossless: every option verifies losslessly, and the choice depends only on drafts and committed tokens.
 
@@ -296,10 +298,20 @@ def tree_rates(policy: TreePolicy, options: tuple[int, ...], block: int) -> tupl
 
 def hopeful_budgets(costs: Any, options: tuple[int, ...], block: int, chain_rate: Any) -> Any:
     """Per tree budget: could it beat the chain (``chain_rate`` committed tokens per unit of ``costs``) by
-    TREE_MARGIN even if every round of it committed all it can (``min(block, budget + 1)`` tokens)? NumPy or
-    jax arrays alike: the phase rule asks it on the device, ``generate`` once on the host after calibrating."""
-    cap = np.asarray([min(block, b + 1) for b in options[1:]], np.float32)
+    TREE_MARGIN even if every round of it committed all it can (``min(block, budget + 1)`` tokens)?"""
+    cap = jnp.asarray([min(block, b + 1) for b in options[1:]], np.float32)
     return cap / costs[1:] > chain_rate * (1.0 + TREE_MARGIN)
+
+
+def paying_budgets(costs: np.ndarray, options: tuple[int, ...], tokens: np.ndarray) -> np.ndarray:
+    """Per tree budget, from calibration runs: did its rounds commit more tokens per unit of time than the
+    chain's rounds did, by TREE_MARGIN? ``tokens [O]``: committed tokens per row and round of each option
+    (the chain's first), ``costs [O]`` its round costs. Where none does, ``generate`` decodes with the chain's
+    own program: the phase rule would at best choose the chain every phase and pay its bookkeeping and its
+    probes (measured on the shipped CPU pair: with budgets 8-32 judged hopeful by their caps, auto ran 85% chain
+    rounds and still lost 20% to the chain)."""
+    rate = np.asarray(tokens, np.float64) / np.asarray(costs, np.float64)
+    return rate[1:] > rate[0] * (1.0 + TREE_MARGIN)
 
 
 def next_tree_phase(policy: TreePolicy, options: tuple[int, ...], block: int

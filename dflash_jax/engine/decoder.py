@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.engine.generate import (
-    DecodeSettings, GenerationResult, cache_slots, generate, prompt_width, verify_span,
+    DecodeSettings, GenerationResult, generate, prompt_width,
 )
 from dflash_jax.engine.proposers import DFlashProposer, NoProposer
 from dflash_jax.engine.sampling import SamplingConfig
@@ -112,12 +112,9 @@ class Decoder:
             return generate(target_config, target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)
         proposer = DFlashProposer(self.draft_config, self.block_size, self.dtype, self.draft_window).on_mesh(self.mesh)
-        slots = cache_slots(max(len(p) for p in prompts), max_new_tokens, verify_span(settings, self.block_size),
-                            self.target_config.max_position_embeddings)
-        inputs = proposer.init(
-            self.draft_params, shared_head(target_params, target_config.tie_word_embeddings), len(prompts), slots,
-        )
-        return generate(target_config, target_params, prompts, proposer, inputs, settings, seed,
+        head = shared_head(target_params, target_config.tie_word_embeddings)
+        return generate(target_config, target_params, prompts, proposer,
+                        lambda slots: proposer.init(self.draft_params, head, len(prompts), slots), settings, seed,
                         self.dtype, on_tokens=on_tokens)
 
 

@@ -611,7 +611,7 @@ def executables(target_config: TargetConfig, target_params: dict, proposer, prop
                 ) -> tuple[Any, Any, np.ndarray | None, bool]:
     """The compiled ``(prefill, loop, costs, chain_only)`` for this call, from the cache or compiled (and warmed
     up) now. ``costs``: the calibrated (or given) relative round costs of adaptive widths or tree options;
-    ``chain_only``: ``--tree auto`` where no tree budget could beat the chain's calibration rounds."""
+    ``chain_only``: ``--tree auto`` where no tree budget's calibration rounds beat the chain's."""
     consts, pstate = proposer_inputs
     signature = (target_config, proposer, settings, batch.slots, dtype, _shapes(target_params),
                  _shapes(proposer_inputs), batch.tokens.shape)
@@ -629,10 +629,10 @@ def executables(target_config: TargetConfig, target_params: dict, proposer, prop
         # token); one round of warm-up keeps that out of the timings.
         warm = pre_c(target_params, consts, pstate, batch.tokens, batch.lengths, key)
         jax.block_until_ready(loop_c(target_params, consts, warm, jnp.int32(1)))
-        costs, chain_tokens = _width_costs(pre_c, loop_c, target_params, proposer_inputs, settings,
-                                           proposer.block_size, batch, key)
-        chain_only = bool(settings.tree_auto) and chain_tokens is not None and not np.any(adaptive.hopeful_budgets(
-            costs, adaptive.tree_options(settings.tree_auto), proposer.block_size, chain_tokens / costs[0]))
+        costs, tokens = _width_costs(pre_c, loop_c, target_params, proposer_inputs, settings,
+                                     proposer.block_size, batch, key)
+        chain_only = tokens is not None and not np.any(adaptive.paying_budgets(
+            costs, adaptive.tree_options(settings.tree_auto), tokens))
         _EXECUTABLES[signature] = (pre_c, loop_c, costs, chain_only)
         while len(_EXECUTABLES) > _MAX_EXECUTABLES:
             _EXECUTABLES.pop(next(iter(_EXECUTABLES)))
@@ -641,11 +641,11 @@ def executables(target_config: TargetConfig, target_params: dict, proposer, prop
 
 def _width_costs(pre_c: Any, loop_c: Any, target_params: dict, proposer_inputs: tuple[Any, Any],
                  settings: DecodeSettings, block: int, batch: PaddedBatch, key: jax.Array
-                 ) -> tuple[np.ndarray | None, float | None]:
+                 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """``(costs, chain_tokens)``: the relative round cost of each adaptive verify width (or ``--tree auto``
     option: the chain, then each budget), given or timed on this batch with the compiled loop itself (each
     forced in turn), so the costs are those of this device and program; and, when timed for tree auto, the
-    tokens a row committed per chain round in those timing runs (else None)."""
+    tokens a row committed per round of each option in those timing runs (else None)."""
     if settings.tree_auto:
         widths, what = adaptive.tree_options(settings.tree_auto), "option (the chain, then each tree budget)"
     elif settings.adaptive_widths:
@@ -657,7 +657,7 @@ def _width_costs(pre_c: Any, loop_c: Any, target_params: dict, proposer_inputs: 
             raise UserError(f"width_costs needs one cost per {what} {widths}, got {settings.width_costs}")
         return np.asarray(settings.width_costs, np.float32), None
     consts, pstate = proposer_inputs
-    chain = [0.0, 0.0]  # tokens committed, row rounds: option 0's timing runs
+    committed = np.zeros((2, len(widths)))  # tokens committed, row rounds: each option's timing runs
 
     def run_rounds(index: int) -> tuple[float, int]:
         state = pre_c(target_params, consts, pstate, batch.tokens, batch.lengths, key)
@@ -667,19 +667,18 @@ def _width_costs(pre_c: Any, loop_c: Any, target_params: dict, proposer_inputs: 
         t0 = time.perf_counter()
         state = jax.block_until_ready(loop_c(target_params, consts, state, jnp.int32(adaptive.CALIBRATION_ROUNDS)))
         seconds = time.perf_counter() - t0
-        if index == 0:
-            chain[0] += float(np.sum(to_host(state.num_out) - 1))  # the prefill's first token is not a round's
-            chain[1] += float(np.sum(to_host(state.rounds)))
+        committed[0, index] += float(np.sum(to_host(state.num_out) - 1))  # the prefill's token is no round's
+        committed[1, index] += float(np.sum(to_host(state.rounds)))
         return seconds, int(to_host(state.step))
 
     costs = adaptive.calibrate(widths, run_rounds)
-    chain_tokens = chain[0] / max(chain[1], 1.0)
+    tokens = (committed[0] / np.maximum(committed[1], 1.0)).astype(np.float32)
     if jax.process_count() > 1:  # every process must take the same widths: process 0's timings decide
         from jax.experimental import multihost_utils
 
-        both = np.asarray(multihost_utils.broadcast_one_to_all(np.append(costs, chain_tokens)), np.float32)
-        costs, chain_tokens = both[:-1], float(both[-1])
-    return costs, (chain_tokens if settings.tree_auto else None)
+        both = np.asarray(multihost_utils.broadcast_one_to_all(np.stack([costs, tokens])), np.float32)
+        costs, tokens = both[0], both[1]
+    return costs, (tokens if settings.tree_auto else None)
 
 
 def _with_costs(state: LoopState, costs: np.ndarray | None) -> LoopState:
@@ -731,7 +730,7 @@ def generate(
     target_params: dict,
     prompts: Sequence[Sequence[int]],
     proposer,
-    proposer_inputs: tuple[Any, Any],
+    proposer_inputs: tuple[Any, Any] | Callable[[int], tuple[Any, Any]],
     settings: DecodeSettings,
     seed: int = 0,
     dtype: Any = jnp.float32,
@@ -740,21 +739,32 @@ def generate(
 ) -> GenerationResult:
     """Generate for a batch of token-id prompts of any lengths: pad (``pad_prompts``; a proposer's caches must
     have ``batch.slots`` = ``cache_slots`` slots), compile or reuse (``executables``), prefill, decode
-    (streamed through ``on_tokens`` in chunks of ``chunk_rounds`` rounds, or in one device call)."""
-    batch = pad_prompts(target_config, prompts, settings.max_new_tokens, verify_span(settings, proposer.block_size))
-    if settings.mesh is not None:
-        batch = _place_batch(batch, settings.mesh)
+    (streamed through ``on_tokens`` in chunks of ``chunk_rounds`` rounds, or in one device call).
+    ``proposer_inputs``: the proposer's ``(consts, state)`` for ``batch.slots``, or a function of the slots that
+    makes them (then ``--tree auto``'s chain fallback runs with the chain's own, smaller caches: at the
+    tree's slots the shipped CPU pair's chain ran 10% slower)."""
+    inputs_for = proposer_inputs if callable(proposer_inputs) else None
+
+    def padded(settings: DecodeSettings) -> tuple[PaddedBatch, tuple[Any, Any]]:
+        batch = pad_prompts(target_config, prompts, settings.max_new_tokens, verify_span(settings, proposer.block_size))
+        if settings.mesh is not None:
+            batch = _place_batch(batch, settings.mesh)
+        return batch, (inputs_for(batch.slots) if inputs_for is not None else proposer_inputs)
+
+    batch, proposer_inputs = padded(settings)
     key = jax.random.PRNGKey(seed)
-    consts, pstate = proposer_inputs
 
     t0 = time.perf_counter()
     pre_c, loop_c, costs, chain_only = executables(target_config, target_params, proposer, proposer_inputs, settings,
                                                    batch, key, dtype)
     run_settings = settings
-    if chain_only:  # --tree auto where no tree can pay on this device and batch: the chain's own program
+    if chain_only:  # --tree auto where no tree pays on this device and batch: the chain's own program
         run_settings = dataclasses.replace(settings, tree_auto=(), width_costs=())
+        if inputs_for is not None:
+            batch, proposer_inputs = padded(run_settings)
         pre_c, loop_c, _, _ = executables(target_config, target_params, proposer, proposer_inputs, run_settings,
                                           batch, key, dtype)
+    consts, pstate = proposer_inputs
     compile_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
