@@ -139,7 +139,8 @@ def add_tree_args(parser: argparse.ArgumentParser) -> None:
                              "the chain or one of --tree-budgets, whichever promises the most tokens per unit of "
                              "time (CaDDTree's rule on the draft's own probabilities, corrected by what the tree "
                              "rounds accepted, and each option's round time measured on this device when the "
-                             "program compiles); it stays on the chain where no tree can pay. Every target family, "
+                             "program compiles); where no tree's calibration rounds beat the chain's, it decodes with "
+                             "the chain's own program. Every target family, "
                              "Gated DeltaNet (Qwen3.5/3.6, Qwen3-Next) included")
     parser.add_argument("--tree-budgets", type=widths_arg, default=DEFAULT_TREE_BUDGETS, metavar="N1,N2,...",
                         help="the tree budgets --tree auto chooses among, beside the chain (default "
