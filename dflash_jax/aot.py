@@ -317,6 +317,9 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
         "cache_gib": gib(caches),
         "other_state_gib": gib(other_state),
         "temporaries_gib": gib(temps),
+        # which program needs them: the larger of the two is the figure above
+        "prefill_temporaries_gib": gib(int(pre_mem.temp_size_in_bytes)),
+        "decode_temporaries_gib": gib(int(loop_mem.temp_size_in_bytes)),
         # the prefill's inputs as the device lays them out (padded tiles included): above weights + caches
         # when the compiler's layouts pad them
         "prefill_arguments_gib": gib(int(pre_mem.argument_size_in_bytes)),

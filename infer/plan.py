@@ -118,7 +118,8 @@ def _table(plan: dict) -> str:
         f"  weights            {gib('weights_gib')}",
         f"  caches             {gib('cache_gib')}",
         f"  other loop state   {gib('other_state_gib')}",
-        f"  temporaries        {gib('temporaries_gib')}  (the larger program's)",
+        f"  temporaries        {gib('temporaries_gib')}  (the larger program's: prefill "
+        f"{gib('prefill_temporaries_gib')}, decode loop {gib('decode_temporaries_gib')})",
         f"  total              {gib('total_gib')}  of {gib('device_memory_gib')}: {fits}",
         f"programs compiled    {plan['programs_compiled']} (prefill, decode loop) in {plan['compile_seconds']} s",
         f"loops per round      {plan['loops_per_round']} data-dependent (prefill: {plan['prefill_loops']})",

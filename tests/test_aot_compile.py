@@ -213,6 +213,7 @@ def test_infer_plan_cli_json_and_errors(device, capsys, tmp_path):
     for key in ("weights_gib", "cache_gib", "temporaries_gib", "total_gib", "device_memory_gib", "loops_per_round",
                 "expert_gib_per_round", "routed_expert_gib_per_round", "busiest_device_expert_gib_per_round"):
         assert key in out
+    assert out["temporaries_gib"] == max(out["prefill_temporaries_gib"], out["decode_temporaries_gib"])
     assert out["block_size"] == 1 and out["loops_per_round"] == 0  # the autoregressive baseline
     assert main(["--target-config", str(cfg), "--device", "v9x"]) == 2
     assert "unknown device 'v9x'" in capsys.readouterr().err
