@@ -211,6 +211,21 @@ def abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
+def with_packed_layouts(tree: Any, platform: str) -> Any:
+    """``tree`` (abstract params) with the packed expert params in the device layout the engine stores them in
+    on ``platform`` (``experts.PACKED_LAYOUTS``: the loader puts them so), the rest unchanged."""
+    from jax.experimental.layout import Format
+
+    from dflash_jax.models.experts import packed_layout
+
+    def one(path, x):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        layout = packed_layout(name, x.ndim, platform) if "experts/" in name else None
+        return x if layout is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=Format(layout, x.sharding))
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
 # -------------------------------------------------------------------------------------------- decode plans
 
 
@@ -267,7 +282,7 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
     with compiling_for(target.platform), jax.sharding.use_abstract_mesh(the_mesh.abstract_mesh), \
             recording_reads() as reads:
         tparams = abstract_target_params(target_config, dtype)
-        tparams = abstract(tparams, sharding.tree_shardings(tparams, the_mesh))
+        tparams = with_packed_layouts(abstract(tparams, sharding.tree_shardings(tparams, the_mesh)), target.platform)
         chunk = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
         settings = DecodeSettings(max_new_tokens, mesh=the_mesh, attention=attention, tree_budget=tree_budget, **chunk)
         if draft_config is None:

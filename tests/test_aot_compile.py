@@ -176,6 +176,30 @@ def test_packed_experts_enter_the_prefill_chunk_loop_as_stored():
     assert set(blocks) == {"3,2,1,0"}, sorted(set(blocks))
 
 
+@needs["v5p"]
+def test_tpu_decode_loop_takes_packed_experts_as_stored(monkeypatch):
+    """128 packed experts (as gpt-oss-120b): the TPU's default layout for ``u8[128, out, in/32, 16]`` puts the
+    experts minor, and the decode loop then copies every layer's blocks into the output-rows-minor order in
+    device memory (copies into on-chip memory, ``S(1)``, are the kernels' own and stay). With the blocks and
+    scales stored in that order (``experts.PACKED_LAYOUTS``, as the loader places them) no such copy is left.
+    The control without the table must show the copies."""
+    from dflash_jax.models import experts
+
+    fields = dict(GPT_OSS, num_local_experts=128)
+
+    def hbm_copies():
+        text = plan(fields, "v5p", experts="packed", keep_text=True)["_text"]["decode"]
+        entry = set(re.findall(r"proj_blocks__\S* = u8\[128,\d+,2,16\]\{([\d,]+):[^}]*\} parameter", text))
+        copies = re.findall(r"= u8\[128,\d+,2,16\]\{([^}]*)\} copy\(", text)
+        return entry, [c for c in copies if "S(" not in c]
+
+    entry, copies = hbm_copies()
+    assert entry == {"1,3,2,0"} and not copies, (entry, copies)
+    monkeypatch.setitem(experts.PACKED_LAYOUTS, "tpu", {})
+    entry, copies = hbm_copies()
+    assert entry == {"0,3,2,1"} and copies, (entry, copies)
+
+
 def test_cpu_program_counts_its_live_length_loops():
     """The counter can fail: on the CPU the default attention walks the live length in a loop per layer
     (4 target layers + 2 draft layers), and ``--attention xla`` removes them."""

@@ -174,6 +174,32 @@ def test_engine_greedy_tokens_identical_packed_vs_dequantized(loaded):
     assert all(len(row) == 16 for row in ours_p)
 
 
+def test_packed_experts_loaded_in_a_platform_layout_decode_the_same(ckpts, loaded, monkeypatch):
+    """Where ``experts.PACKED_LAYOUTS`` names a layout for the platform (TPUs; here the CPU, patched in), the
+    loader stores the packed blocks and scales in it, the compiled programs take them as stored, and the
+    engine's greedy tokens and the logits of every expert path are those of the default layout (the CPU honours
+    device layouts, so this runs the real relayout and the real layout-taking compile)."""
+    from dflash_jax.models import experts
+
+    _, packed_dir, _ = ckpts
+    (config_d, params_d), (config_p, params_p) = loaded
+    monkeypatch.setitem(experts.PACKED_LAYOUTS, "cpu", {"_blocks": (0, 2, 3, 1), "_scales": (0, 2, 1)})
+    config_l, params_l = load_target(packed_dir, experts="packed")
+    flat = flatten(params_l)
+    packed = {k: v for k, v in flat.items() if k[-1].endswith(("_blocks", "_scales"))}
+    assert packed and {v.format.layout.major_to_minor for v in packed.values()} == {(0, 2, 3, 1), (0, 2, 1)}
+    assert all(v.format.layout.major_to_minor == tuple(range(v.ndim)) for k, v in flat.items() if k not in packed)
+    for k, v in packed.items():
+        np.testing.assert_array_equal(np.asarray(v), np.asarray(flatten(params_p)[k]))
+    rows = _batch(config_d.vocab_size)
+    for path in ("dense", "grouped", "routed"):
+        with force_expert_path(path):
+            np.testing.assert_array_equal(_logits(config_l, params_l, rows), _logits(config_p, params_p, rows))
+    batch = _batch(config_d.vocab_size, seed=2)
+    assert (Decoder(config_l, params_l).generate(batch, 16, baseline=True).tokens
+            == Decoder(config_p, params_p).generate(batch, 16, baseline=True).tokens)
+
+
 def test_packed_on_float_experts_is_one_clear_error(ckpts, loaded):
     float_dir, _, _ = ckpts
     with pytest.raises(CheckpointError) as err:

@@ -32,6 +32,7 @@ from dflash_jax.checkpoints.safetensors_io import (
     save_tensors,
 )
 from dflash_jax.models.config import MUSE_GLIMMER_TEXT, TargetConfig
+from dflash_jax.models.experts import place_packed
 from dflash_jax.models.gated_deltanet import join_qwen3_next_projections, split_qwen3_next_projections
 from dflash_jax.models.target import TargetModel
 from dflash_jax.precision import resolve_dtype
@@ -136,7 +137,9 @@ def load_target(path: str | Path, dtype: Any = "float32", progress: bool = False
         # floating-point tensors only: quantised experts kept packed stay as stored.
         if dtype is not None and not is_packed_param(tuple(param_path)) and not np.issubdtype(arr.dtype, np.integer):
             arr = arr.astype(np.float32 if tuple(param_path) in float32_params else dtype, copy=False)
-        return place(param_path, arr) if place is not None else jnp.asarray(arr)
+        placed = place(param_path, arr) if place is not None else jnp.asarray(arr)
+        # packed MXFP4 experts in the order the decode reads them, where the platform's default differs (TPUs)
+        return place_packed("/".join(param_path), placed) if is_packed_param(tuple(param_path)) else placed
 
     params = load_params(source, abstract, key_of, dtype=None, progress=progress, place=put)
     return config, params

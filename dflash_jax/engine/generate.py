@@ -590,11 +590,17 @@ def programs_compiled() -> int:
 
 
 def _shapes(tree: Any) -> tuple:
-    """Structure, shapes, dtypes and shardings: an executable compiled for one placement of the inputs must
-    not be reused for another."""
+    """Structure, shapes, dtypes, shardings and device layouts (packed experts on TPUs: ``place_packed``): an
+    executable compiled for one placement of the inputs must not be reused for another."""
     leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None))
-                           for x in leaves))
+    return (treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None),
+                            _layout_of(x)) for x in leaves))
+
+
+def _layout_of(x: Any) -> Any:
+    """A placed array's device layout (None for the default, or what is not a placed array)."""
+    layout = getattr(getattr(x, "format", None), "layout", None) if isinstance(x, jax.Array) else None
+    return None if layout is None or layout.major_to_minor == tuple(range(np.ndim(x))) else layout.major_to_minor
 
 
 def to_host(x: Any) -> np.ndarray:

@@ -211,6 +211,37 @@ def activate(gate: jax.Array, up: jax.Array, cfg: ExpertsConfig) -> jax.Array:
 PIN_PACKED_LAYOUT = ("gpu",)
 
 
+# The device layout (major to minor) packed MXFP4 params are stored in, per platform; elsewhere the platform's
+# default. On TPUs the default layout of ``u8[E, out, in/32, 16]`` puts the experts minor (no padding of the
+# (32, 128) uint8 tiles when E is a multiple of 128), which neither the routed gather over experts nor the
+# decode reads: the decode loop then copied every layer's packed stacks into the output-rows-minor order once,
+# before the loop, all alive through it (gpt-oss-120b, one v5p: 148 GB of temporaries at 36 layers). Stored in
+# that order (``place_packed``, when a target is loaded; ``aot.plan_decode`` compiles with it), the loop holds
+# no copy (5.7 GiB at 2-8 layers, flat in depth). Not on GPUs (their default is row-major; see
+# PIN_PACKED_LAYOUT) nor the CPU.
+PACKED_LAYOUTS = {"tpu": {"_blocks": (0, 2, 3, 1), "_scales": (0, 2, 1)}}
+
+
+def packed_layout(name: str, ndim: int, platform: str) -> Layout | None:
+    """The device layout for the expert param ``name`` (a path or key ending ``_blocks`` / ``_scales``: MXFP4)
+    on ``platform``, or None for the platform's default."""
+    for suffix, order in PACKED_LAYOUTS.get(platform, {}).items():
+        if name.endswith(suffix) and len(order) == ndim:
+            return Layout(order)
+    return None
+
+
+def place_packed(name: str, x: jax.Array) -> jax.Array:
+    """``x`` (a placed param) moved into ``packed_layout`` on its platform, or ``x`` itself. One param at a time,
+    so a load holds at most one extra copy of one projection's stack."""
+    layout = packed_layout(name, x.ndim, next(iter(x.devices())).platform)
+    if layout is None:
+        return x
+    from jax.experimental.layout import Format
+
+    return jax.device_put(x, Format(layout, x.sharding))
+
+
 @dataclasses.dataclass(frozen=True)
 class StackedExperts:
     """One layer's expert params as declared (float ``[E, in, out]``; packed MXFP4 blocks and scales; FP8 or

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.models.dflash2 import identity_conv_init
+from dflash_jax.models.experts import place_packed
 
 
 def _draw(key: jax.Array, shape: tuple[int, ...], dtype: Any, std: jax.Array) -> jax.Array:
@@ -104,11 +105,12 @@ def random_params(abstract: Any, seed: int = 0, std: float | None = None, zero_c
                 out.append(_draw_on_device(jax.random.fold_in(key, i), shape, dtype, jnp.float32(1)))
         elif jnp.issubdtype(dtype, jnp.integer):  # MXFP4 experts (models/mxfp4): random codes, scale 2^-5
             if not name.endswith("_blocks"):
-                out.append(jnp.full(shape, 122, dtype))
+                codes = jnp.full(shape, 122, dtype)
             elif on_host:
-                out.append(jnp.asarray(rng.integers(0, 256, shape), dtype))
+                codes = jnp.asarray(rng.integers(0, 256, shape), dtype)
             else:  # gigabytes of codes (gpt-oss-120b): NumPy would draw them as int64 on the host, 8 bytes each
-                out.append(_draw_on_device(jax.random.fold_in(key, i), shape, dtype, jnp.float32(0)))
+                codes = _draw_on_device(jax.random.fold_in(key, i), shape, dtype, jnp.float32(0))
+            out.append(place_packed(name, codes))  # as a loaded checkpoint's are (TPUs: the decode's layout)
         elif name in ("layer_scalar", "scale", "per_expert_scale"):
             out.append(jnp.ones(shape, dtype))
         elif name == "weight" and len(shape) == 1:
