@@ -648,7 +648,7 @@ def executables(target_config: TargetConfig, target_params: dict, proposer, prop
 def _width_costs(pre_c: Any, loop_c: Any, target_params: dict, proposer_inputs: tuple[Any, Any],
                  settings: DecodeSettings, block: int, batch: PaddedBatch, key: jax.Array
                  ) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """``(costs, chain_tokens)``: the relative round cost of each adaptive verify width (or ``--tree auto``
+    """``(costs, tokens)``: the relative round cost of each adaptive verify width (or ``--tree auto``
     option: the chain, then each budget), given or timed on this batch with the compiled loop itself (each
     forced in turn), so the costs are those of this device and program; and, when timed for tree auto, the
     tokens a row committed per round of each option in those timing runs (else None)."""
