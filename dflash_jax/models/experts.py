@@ -205,8 +205,9 @@ def activate(gate: jax.Array, up: jax.Array, cfg: ExpertsConfig) -> jax.Array:
 # (XLA:GPU: the output rows minor, as the decoded ``[E, in, out]`` weights) and carries the params into the
 # prefill's chunk loop already in it: one relaid copy of every layer's packed experts made before the loop
 # and alive through it (gpt-oss-120b, H200, 8k prefill: 61.9 GiB of temporaries; pinned: 3.2). Pinned, the
-# relayout happens per layer inside the loop. Not on TPUs: there the row-major form of ``[.., 16]``-byte
-# groups pads to (8, 128) tiles (the same prefill asked for 562 GB pinned, 126 GB not). MXFP4 only: pinned
+# relayout happens per layer inside the loop. Not row-major on TPUs: there the row-major form of ``[.., 16]``-byte
+# groups pads to (8, 128) tiles (the same prefill asked for 562 GB pinned, 126 GB not); they are stored and
+# pinned in PACKED_LAYOUTS' order instead (``_pinned``). MXFP4 only: pinned
 # FP8 / INT4 codes raised the 2 x 8 H200 prefills of GLM-5.1 (45.0 -> 52.4 GiB) and Kimi-K2.5 (37.3 -> 60.7).
 PIN_PACKED_LAYOUT = ("gpu",)
 
@@ -242,6 +243,18 @@ def place_packed(name: str, x: jax.Array) -> jax.Array:
     return jax.device_put(x, Format(layout, x.sharding))
 
 
+def _pinned(name: str, x: jax.Array, platform: str) -> jax.Array:
+    """A packed param as it leaves ``StackedExperts.after``'s barrier: pinned to the layout it is stored in
+    where that matters (GPUs: row-major, PIN_PACKED_LAYOUT; TPUs: ``packed_layout``), else as it was. On TPUs,
+    unpinned, layout assignment gave the decode loop's carried params another order past 8 layers
+    (gpt-oss-120b: every layer's blocks copied into it before the loop and back at each barrier: 38.1 GiB of
+    temporaries at 16 layers; pinned, 4.9)."""
+    layout = packed_layout(name, x.ndim, platform)
+    if layout is None and platform in PIN_PACKED_LAYOUT:
+        layout = Layout(tuple(range(x.ndim)))
+    return x if layout is None else with_layout_constraint(x, layout)
+
+
 @dataclasses.dataclass(frozen=True)
 class StackedExperts:
     """One layer's expert params as declared (float ``[E, in, out]``; packed MXFP4 blocks and scales; FP8 or
@@ -269,8 +282,8 @@ class StackedExperts:
         if not self.packed:
             return self
         params, _ = jax.lax.optimization_barrier((dict(self.params), x))
-        if self.fmt == "mxfp4" and current_platform() in PIN_PACKED_LAYOUT:
-            params = {k: with_layout_constraint(v, Layout(tuple(range(v.ndim)))) for k, v in params.items()}
+        if self.fmt == "mxfp4":
+            params = {k: _pinned(k, v, current_platform()) for k, v in params.items()}
         return dataclasses.replace(self, params=params)
 
     def _each(self, rows, plain) -> dict[str, jax.Array]:
