@@ -214,14 +214,12 @@ def abstract(tree: Any, shardings: Any) -> Any:
 def with_packed_layouts(tree: Any, platform: str) -> Any:
     """``tree`` (abstract params) with the packed expert params in the device layout the engine stores them in
     on ``platform`` (``experts.PACKED_LAYOUTS``: the loader puts them so), the rest unchanged."""
-    from jax.experimental.layout import Format
-
-    from dflash_jax.models.experts import packed_layout
+    from dflash_jax.models.experts import packed_format
 
     def one(path, x):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
-        layout = packed_layout(name, x.ndim, platform) if "experts/" in name else None
-        return x if layout is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=Format(layout, x.sharding))
+        fmt = packed_format(name, x, platform) if "experts/" in name else None
+        return x if fmt is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=fmt)
 
     return jax.tree_util.tree_map_with_path(one, tree)
 

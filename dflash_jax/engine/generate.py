@@ -598,9 +598,13 @@ def _shapes(tree: Any) -> tuple:
 
 
 def _layout_of(x: Any) -> Any:
-    """A placed array's device layout (None for the default, or what is not a placed array)."""
-    layout = getattr(getattr(x, "format", None), "layout", None) if isinstance(x, jax.Array) else None
-    return None if layout is None or layout.major_to_minor == tuple(range(np.ndim(x))) else layout.major_to_minor
+    """A placed integer array's device layout (None for the default, or anything else). Only packed expert
+    codes are ever placed in another layout (``place_packed``), so float leaves are not asked: reading an
+    array's format costs a few microseconds, and a large target has hundreds of leaves per call."""
+    if not (isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.integer)):
+        return None
+    layout = x.format.layout
+    return None if layout is None or layout.major_to_minor == tuple(range(x.ndim)) else layout.major_to_minor
 
 
 def to_host(x: Any) -> np.ndarray:

@@ -53,7 +53,7 @@ from typing import Any, Mapping, NamedTuple
 
 import flax.linen as nn
 import jax
-from jax.experimental.layout import Layout, with_layout_constraint
+from jax.experimental.layout import Format, Layout, with_layout_constraint
 import jax.numpy as jnp
 
 from dflash_jax.models import mxfp4, quantized_experts
@@ -234,15 +234,17 @@ def packed_layout(name: str, ndim: int, platform: str) -> Layout | None:
     return None
 
 
+def packed_format(name: str, x: Any, platform: str) -> Format | None:
+    """``x``'s sharding with ``packed_layout`` (an array or an abstract one), or None for the default layout."""
+    layout = packed_layout(name, x.ndim, platform)
+    return None if layout is None else Format(layout, x.sharding)
+
+
 def place_packed(name: str, x: jax.Array) -> jax.Array:
     """``x`` (a placed param) moved into ``packed_layout`` on its platform, or ``x`` itself. One param at a time,
     so a load holds at most one extra copy of one projection's stack."""
-    layout = packed_layout(name, x.ndim, next(iter(x.devices())).platform)
-    if layout is None:
-        return x
-    from jax.experimental.layout import Format
-
-    return jax.device_put(x, Format(layout, x.sharding))
+    fmt = packed_format(name, x, next(iter(x.devices())).platform)
+    return x if fmt is None else jax.device_put(x, fmt)
 
 
 def _pinned(name: str, x: jax.Array, platform: str) -> jax.Array:
