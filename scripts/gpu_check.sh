@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The run for a lent GPU (scripts/tpu_check.sh runs it on a TPU host), one command of about 9 minutes (no
-# install there: PYTHONPATH=.; no grain and no ../shared, so data-dependent tests skip):
+# The run for a lent GPU (scripts/tpu_check.sh runs it on a TPU host), one command of at most 7.5 minutes by
+# default: its steps' limits add up to 440 s (phase 1's run side by side). No install there: PYTHONPATH=.; no
+# grain and no ../shared, so data-dependent tests skip.
 #   bash scripts/gpu_check.sh [OUT_DIR]        (default runs/gpu)
 #   SHAPES_WANTED="qwen3-8b qwen3.5-35b-a3b" bash scripts/gpu_check.sh     (the target shapes timed; default the
 #                                             first two of ALL_SHAPES below)
@@ -18,8 +19,9 @@
 #     speedup bound, peak device memory): Qwen3-8B (whole), gpt-oss-120b (packed MXFP4, its first 6 layers),
 #     Qwen3-Coder-30B-A3B and Qwen3.5-35B-A3B (each cut to its first layers; the per-layer figures are what the
 #     cut measures);
-#   - scripts/tree_sweep.py on the shipped pair (the chain against fixed tree budgets and `--tree auto`, then
-#     auto with one option), when data/stories260k/heldout.jsonl is there (docs/training.md makes it; carry it).
+#   - with TREES=1 (150 s more), scripts/tree_sweep.py on the shipped pair (the chain against fixed tree budgets
+#     and `--tree auto`, then auto with one option), when data/stories260k/heldout.jsonl is there
+#     (docs/training.md makes it; carry it).
 # Each step writes OUT_DIR/<step>.txt (speed also <step>.json) and prints its tail; a step that fails or runs
 # out of time does not stop the next. STEPS=phase1|phase2 runs one half. At the end everything is packed into
 # OUT_DIR/gpu_check.tgz (and copied to $OUT when that is set), since a device run returns few files.
@@ -99,12 +101,12 @@ if [ "${STEPS:-all}" = all ] || [ "${STEPS:-all}" = phase2 ]; then
     # shellcheck disable=SC2086
     step "speed-$name" "$limit" python -m infer speed $args "${SPEED_ARGS[@]}" --json "$OUT_DIR/speed-$name.json"
   done
-  if [ -f "$HELDOUT" ]; then
-    step tree-sweep 110 python scripts/tree_sweep.py --prompt-file "$HELDOUT" --max-samples 16 \
+  if [ -n "${TREES:-}" ] && [ -f "$HELDOUT" ]; then
+    step tree-sweep 100 python scripts/tree_sweep.py --prompt-file "$HELDOUT" --max-samples 16 \
       --max-new-tokens 128 --budgets 16,32,64 --repeats 3 --json "$OUT_DIR/tree-sweep.json"
     # --tree auto's own cost: with one small option (cache span 9) against the four above (span 65); the
     # first run's auto lost 14% to the chain, a quiet CPU's 19% while choosing the chain 95% of the time.
-    step tree-auto-one-option 60 python scripts/tree_sweep.py --prompt-file "$HELDOUT" --max-samples 16 \
+    step tree-auto-one-option 50 python scripts/tree_sweep.py --prompt-file "$HELDOUT" --max-samples 16 \
       --max-new-tokens 128 --budgets "" --auto-budgets 8 --repeats 3 --json "$OUT_DIR/tree-auto-one-option.json"
   fi
 fi

@@ -224,3 +224,54 @@ def test_float_checkpoint_still_loads_dequantize_default(ckpts):
     assert config.experts.weight_format == "float"
     assert json.loads((float_dir / "config.json").read_text())["model_type"] == "gpt_oss"
     assert flatten(params)[("layers_0", "mlp", "experts", "gate_proj")].dtype == np.float32
+
+
+def test_trainer_step_takes_packed_experts_in_their_stored_layout(ckpts, loaded, monkeypatch):
+    """The trainer's step compiles for the layout the loader stored the target's packed codes in (jit follows a
+    committed argument's layout where its ``in_shardings`` name only a sharding), so the frozen target is not
+    relaid every step. Checked with the layout table patched to the CPU, which honours layouts: the compiled
+    step's input layouts are the stored ones, and one step from the same state gives the same loss and draft
+    params as the default-layout target (the codes are the same bytes)."""
+    from draft_tiny import official_config
+    from train_tiny import STEP_KW, tiny_tokenized
+
+    from dflash_jax.checkpoints.official_draft import init_draft_params
+    from dflash_jax.models import experts
+    from dflash_jax.models.draft_config import DraftConfig
+    from dflash_jax.training.step import StepConfig, init_train_state, make_optimizer
+    from dflash_jax.training.trainer import Run
+
+    _, packed_dir, _ = ckpts
+    _, (config_p, params_p) = loaded
+    monkeypatch.setitem(experts.PACKED_LAYOUTS, "cpu", {"_blocks": (0, 2, 3, 1), "_scales": (0, 2, 1)})
+    _, params_l = load_target(packed_dir, experts="packed")
+    draft_config = DraftConfig.from_dict(official_config(
+        vocab_size=config_p.vocab_size, num_target_layers=config_p.num_hidden_layers,
+        dflash_config={"target_layer_ids": [0, 2], "mask_token_id": 96}))  # every layer used
+    optimizer, schedule = make_optimizer(1e-3, total_steps=2, warmup_ratio=0.0)
+    mesh = sharding.make_mesh(None, jax.devices()[:1])
+    batch = sharding.global_batch_from_local(tiny_tokenized(rows=4).padded_rows(), mesh, 4)
+
+    def one_step(target_params):
+        run = Run(cfg={"train": {"seed": 0}}, mesh=mesh, dtype=np.float32, target_config=config_p,
+                  target_params=target_params, draft_config=draft_config,
+                  init_params=init_draft_params(draft_config, seed=1), tokenized=None, eval_prompts=None,
+                  stop_tokens=[], step_cfg=StepConfig(feature_layers=draft_config.target_layer_ids, **STEP_KW),
+                  optimizer=optimizer, schedule=schedule, total_steps=2, fingerprint={})
+        with jax.set_mesh(mesh):
+            state_sh = sharding.tree_shardings(run.abstract_state(), mesh)
+            step = run.jitted_step(state_sh)
+            state = run.initial_state(state_sh)
+            compiled = step.lower(state, target_params, batch).compile()
+            new_state, metrics = step(state, target_params, batch)
+        return compiled.input_formats[0][1], float(metrics["loss"]), jax.device_get(new_state.params)
+
+    formats, loss_l, draft_l = one_step(params_l)
+    _, loss_p, draft_p = one_step(params_p)
+    stored = {k: v.format.layout.major_to_minor for k, v in flatten(params_l).items()
+              if k[-1].endswith(("_blocks", "_scales"))}
+    compiled = {k: v.layout.major_to_minor for k, v in flatten(formats).items() if k in stored}
+    assert compiled == stored and set(stored.values()) == {(0, 2, 3, 1), (0, 2, 1)}
+    assert loss_l == loss_p
+    for a, b in zip(jax.tree.leaves(draft_l), jax.tree.leaves(draft_p)):
+        np.testing.assert_array_equal(a, b)
