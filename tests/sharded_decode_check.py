@@ -77,12 +77,13 @@ for name, spec in (("one", None), ("tensor2_data4", "data=4,tensor=2"), ("tensor
                      DecodeSettings(24, mesh=mesh))
     runs[f"{name}/greedy/oracle"] = {"tokens": r.tokens, "accept": r.accept_lengths}
     # The Pallas attention kernel on each device's shard vs the loop on one: in TPU interpret mode a round takes
-    # ~4 s on 2 cores, so 4 tokens (the prefill and 3 rounds, target and draft through the kernel).
+    # ~4 s on 2 cores, so 2 tokens (the prefill and one round, target and draft through the kernel; 4 tokens
+    # took ~8 s more and ran no other path).
     if full:
         kernel = "loop" if name == "one" else "pallas"
         jax.config.update("jax_disable_most_optimizations", kernel == "loop")
         with section(f"{name}/short/{kernel}"):
-            r = Decoder(tc, tp, dc, dp, 8, mesh=mesh, attention=kernel).generate(prompts, 4)
+            r = Decoder(tc, tp, dc, dp, 8, mesh=mesh, attention=kernel).generate(prompts, 2)
         jax.config.update("jax_disable_most_optimizations", True)
         runs[f"{name}/short/{kernel}"] = {"tokens": r.tokens, "accept": r.accept_lengths}
 # 2 KV heads (of 4 query heads) on tensor=4: each head kept twice, so the target's cache and the draft's
