@@ -186,7 +186,7 @@ def test_tpu_decode_loop_takes_packed_experts_as_stored(monkeypatch):
     pin adds shows only in deep stacks: gpt-oss-120b's 16-layer cut, 38.1 -> 4.9 GiB; measured, docs/speed.md.)"""
     from dflash_jax.models import experts
 
-    fields = dict(GPT_OSS, num_local_experts=128, num_hidden_layers=3)  # the draft reads layers 0 and 2
+    fields = dict(GPT_OSS, num_local_experts=128)
 
     def hbm_copies():
         text = plan(fields, "v5p", experts="packed", keep_text=True)["_text"]["decode"]
