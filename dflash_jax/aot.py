@@ -211,19 +211,6 @@ def abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def with_packed_layouts(tree: Any, platform: str) -> Any:
-    """``tree`` (abstract params) with the packed expert params in the device layout the engine stores them in
-    on ``platform`` (``experts.PACKED_LAYOUTS``: the loader puts them so), the rest unchanged."""
-    from dflash_jax.models.experts import packed_format
-
-    def one(path, x):
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
-        fmt = packed_format(name, x, platform) if "experts/" in name else None
-        return x if fmt is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=fmt)
-
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
 # -------------------------------------------------------------------------------------------- decode plans
 
 
@@ -246,7 +233,7 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
     from dflash_jax.checkpoints.official_draft import abstract_draft_params
     from dflash_jax.engine.generate import DecodeSettings, cache_slots, jitted_functions, prompt_width, verify_span
     from dflash_jax.engine.proposers import DFlashProposer, NoProposer
-    from dflash_jax.models.experts import recording_reads
+    from dflash_jax.models.experts import recording_reads, with_packed_layouts
     from dflash_jax.models.draft import shared_head
     from dflash_jax.platform import compiling_for
     from dflash_jax.precision import resolve_dtype

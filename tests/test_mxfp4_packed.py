@@ -238,7 +238,7 @@ def test_trainer_step_takes_packed_experts_in_their_stored_layout(ckpts, loaded,
     from dflash_jax.checkpoints.official_draft import init_draft_params
     from dflash_jax.models import experts
     from dflash_jax.models.draft_config import DraftConfig
-    from dflash_jax.training.step import StepConfig, init_train_state, make_optimizer
+    from dflash_jax.training.step import StepConfig, make_optimizer
     from dflash_jax.training.trainer import Run
 
     _, packed_dir, _ = ckpts

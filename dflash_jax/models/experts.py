@@ -240,6 +240,18 @@ def packed_format(name: str, x: Any, platform: str) -> Format | None:
     return None if layout is None else Format(layout, x.sharding)
 
 
+def with_packed_layouts(tree: Any, platform: str) -> Any:
+    """``tree`` (abstract params) with the packed expert params in the layout the loader stores them in on
+    ``platform`` (``place_packed``), the rest unchanged: what a plan compiles for (jit compiles for an
+    argument's own layout, as it does for the loaded params)."""
+    def one(path, x):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        fmt = packed_format(name, x, platform) if "experts/" in name else None
+        return x if fmt is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=fmt)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
 def place_packed(name: str, x: jax.Array) -> jax.Array:
     """``x`` (a placed param) moved into ``packed_layout`` on its platform, or ``x`` itself. One param at a time,
     so a load holds at most one extra copy of one projection's stack."""

@@ -43,6 +43,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft import DraftModel
 from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.experts import with_packed_layouts
 from dflash_jax.models.target import TargetModel
 from dflash_jax.platform import compiling_for
 from dflash_jax.training.checkpointing import abstract_like
@@ -230,9 +231,6 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
         state_sh = sharding.tree_shardings(state_abstract, mesh)
         target_sh = sharding.tree_shardings(target_abstract, mesh)
         state_arg = abstract_like(state_abstract, state_sh)
-        # Packed expert codes in the layout the loader stores them in on this platform (experts.place_packed): jit
-        # compiles for an argument's own layout, as it does for the trainer's committed params.
-        from dflash_jax.aot import with_packed_layouts  # dflash_jax.aot imports this module
         target_arg = with_packed_layouts(abstract_like(target_abstract, target_sh),
                                          jax.default_backend() if target is None else target.platform)
         batch_arg, batch_sh = abstract_batch(global_batch, seq_len, mesh)
