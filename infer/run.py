@@ -73,6 +73,11 @@ def add_model_args(parser: argparse.ArgumentParser, need_draft: bool = False, de
                              "block verification) instead of token by token; the same target distribution, never "
                              "fewer accepted drafts in expectation; pays where the drafts are sampled (a DFlash2 "
                              "selector's walk, a DFlash draft's marginals), not for trees")
+    parser.add_argument("--confidence-threshold", type=float, default=0.0, metavar="P",
+                        help="DSpark drafts with a confidence head: verify each row only up to the first drafted "
+                             "position whose predicted acceptance is below P (DeepSpec's evaluator's rule; 0, the "
+                             "default, verifies the whole block). The output is unchanged; the rounds are cheaper "
+                             "where the target's verify cost grows with its width")
     parser.add_argument("--draft-window", type=int, metavar="N",
                         help="bound every draft layer's context to the last N positions before each query (beyond "
                              "the official code; default: the draft's own layers, sliding ones keep their window): "
@@ -175,9 +180,19 @@ def load_decoder(args: argparse.Namespace, need_draft: bool = True):
     if draft_window is not None and draft_config is None:
         raise UsageError("--draft-window needs a draft (--ckpt)")
     tree = tree_settings(args, draft_config is not None, adaptive)
+    threshold = getattr(args, "confidence_threshold", 0.0)
+    if threshold and draft_config is None:
+        raise UsageError("--confidence-threshold needs a DSpark draft (--ckpt)")
+    if threshold and not 0.0 <= threshold <= 1.0:
+        raise UsageError(f"--confidence-threshold must lie in [0, 1], got {threshold}")
     decoder = Decoder(target_config, target_params, draft_config, draft_params, args.block_size, args.dtype, mesh,
                       adaptive, attention=getattr(args, "attention", "auto"), draft_window=draft_window,
-                      **tree, block_verify=getattr(args, "block_verify", False))
+                      **tree, block_verify=getattr(args, "block_verify", False), confidence_threshold=threshold)
+    if decoder.head_source == "shared":
+        print("DSpark draft: its embedding and head copies equal the target's (one copy kept)", file=sys.stderr)
+    elif decoder.head_source == "own":
+        print("DSpark draft: its embedding and head copies differ from the target's: drafting with its own",
+              file=sys.stderr)
     # EOS ids come from the target's own generation config, whichever tokenizer directory is used.
     return decoder, tokenizer, stop_tokens_of(target_config, tokenizer, tokenizer_dir(target_path))
 

@@ -384,6 +384,48 @@ def _block_conv_first(h: np.ndarray, weights: dict, prefix: str, config: dict) -
     return _block_conv(h, dynamic[:, 0], weights[prefix + "base_kernel"][0], config), dynamic[:, 1]
 
 
+def _is_dspark(config: dict) -> bool:
+    return "Qwen3DSparkModel" in (config.get("architectures") or [])
+
+
+def dspark_chain_reference(weights: dict, config: dict, base_logits: np.ndarray, hidden: np.ndarray, anchor: int,
+                           tokens=None) -> tuple[list[int], np.ndarray, np.ndarray | None]:
+    """A DSpark block (SPEC 13.3-13.4) from the backbone's ``base_logits [K, V]`` and final-normed ``hidden
+    [K, H]`` of its K positions: position k's logits are ``base_k + w2 @ w1[x_{k-1}]`` (x_{-1} = the anchor;
+    the gated kind scales ``w1[x]`` by ``sigmoid(gate @ [h_k ; w1[x]] + b)``), x_k their argmax (or the given
+    ``tokens``, teacher-forced). Returns the tokens, the corrected logits ``[K, V]`` and the confidence logits
+    ``[K]`` (``proj @ [h_k ; w1[x_{k-1}]] + b``, or ``proj @ h_k``; None without a confidence head)."""
+    rank = int(config.get("markov_rank") or 0)
+    gated = str(config.get("markov_head_type") or "vanilla") == "gated"
+    f64 = lambda name: np.asarray(weights[name], np.float64)  # noqa: E731
+    chain, corrected, previous = [], [], []
+    prev = int(anchor)
+    for k in range(base_logits.shape[0]):
+        row = np.asarray(base_logits[k], np.float64).copy()
+        if rank:
+            code = f64("markov_head.markov_w1.weight")[prev]
+            if gated:
+                z = f64("markov_head.gate_proj.weight") @ np.concatenate([hidden[k], code]) + \
+                    f64("markov_head.gate_proj.bias")
+                code = code / (1.0 + np.exp(-z))
+            row += f64("markov_head.markov_w2.weight") @ code
+        corrected.append(row)
+        previous.append(prev)
+        prev = int(np.argmax(row)) if tokens is None else int(tokens[k])
+        chain.append(prev)
+    confidence = None
+    if config.get("enable_confidence_head"):
+        w, b = f64("confidence_head.proj.weight")[0], float(f64("confidence_head.proj.bias")[0])
+        confidence = []
+        for k in range(base_logits.shape[0]):
+            feats = np.asarray(hidden[k], np.float64)
+            if config.get("confidence_head_with_markov"):
+                feats = np.concatenate([feats, f64("markov_head.markov_w1.weight")[previous[k]]])
+            confidence.append(float(w @ feats) + b)
+        confidence = np.asarray(confidence)
+    return chain, np.stack(corrected), confidence
+
+
 def selector_scores_reference(weights: dict, config: dict, logits: np.ndarray, hidden: np.ndarray,
                               predecessor: int, candidates=None) -> tuple[np.ndarray, np.ndarray]:
     """The DFlash2 selector at ONE mask position: its ``top_k`` candidates (best first; or the given
@@ -486,6 +528,18 @@ def random_official_draft_weights(
         w["candidate_selector.predecessor_codebook"] = rng.standard_normal((vocab, r)).astype(dtype)
         w["candidate_selector.successor_codebook"] = rng.standard_normal((vocab, r)).astype(dtype)
         w["candidate_selector.hidden_projection.weight"] = lin(r, H)
+    if _is_dspark(config):  # DeepSpec's heads, scaled so the Markov term moves the argmax
+        r, vocab = int(config.get("markov_rank") or 0), int(config["vocab_size"])
+        if r:
+            w["markov_head.markov_w1.weight"] = rng.standard_normal((vocab, r)).astype(dtype)
+            w["markov_head.markov_w2.weight"] = (2.0 * lin(vocab, r)).astype(dtype)
+            if str(config.get("markov_head_type")) == "gated":
+                w["markov_head.gate_proj.weight"] = lin(r, H + r)
+                w["markov_head.gate_proj.bias"] = (0.1 * rng.standard_normal(r)).astype(dtype)
+        if config.get("enable_confidence_head"):
+            width = H + (r if config.get("confidence_head_with_markov") else 0)
+            w["confidence_head.proj.weight"] = lin(1, width)
+            w["confidence_head.proj.bias"] = (0.1 * rng.standard_normal(1)).astype(dtype)
     return w
 
 

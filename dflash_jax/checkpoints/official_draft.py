@@ -48,8 +48,10 @@ def key_map(config: DraftConfig):
     return muse_assistant_key_of if config.layout == MUSE_ASSISTANT else draft_key_of
 
 
-def abstract_draft_params(config: DraftConfig, dtype: Any = jnp.float32) -> dict:
-    """Parameter shapes without allocating anything (works for the 8B pairing on any machine)."""
+def abstract_draft_params(config: DraftConfig, dtype: Any = jnp.float32, head_copies: bool = True) -> dict:
+    """Parameter shapes without allocating anything (works for the 8B pairing on any machine). A DSpark draft's
+    include its copies of the target's embedding and head (``draft.HEAD_COPIES``, as its checkpoints hold
+    them) unless ``head_copies`` is False (the trainer's params: it trains the backbone only)."""
     model = DraftModel(config, dtype)
     b, t = 1, 2
     tokens = jnp.zeros((b, t), jnp.int32)
@@ -64,14 +66,20 @@ def abstract_draft_params(config: DraftConfig, dtype: Any = jnp.float32) -> dict
         return model.init(jax.random.PRNGKey(0), tokens, tokens, feats, tokens[:, :1], tokens[:, :1] >= 0,
                           cache, shared)
 
-    return jax.eval_shape(init)["params"]
+    params = jax.eval_shape(init)["params"]
+    if config.dspark and head_copies:
+        rows, h = config.vocab_size, config.hidden_size
+        params = {**params, "embed_tokens": {"embedding": jax.ShapeDtypeStruct((rows, h), dtype)},
+                  "lm_head": {"kernel": jax.ShapeDtypeStruct((h, rows), dtype)}}
+    return params
 
 
-def init_draft_params(config: DraftConfig, seed: int = 0, dtype: Any = jnp.float32, std: float | None = None) -> dict:
+def init_draft_params(config: DraftConfig, seed: int = 0, dtype: Any = jnp.float32, std: float | None = None,
+                      head_copies: bool = True) -> dict:
     """Random draft params (``models.init.random_params``): norms at one, biases at zero, linear kernels
     N(0, std^2), by default std = 1/sqrt(fan_in). ``std=0.02`` is what the official (Hugging Face Qwen3) code
     initialises a new draft with (``initializer_range``), the trainer's starting point."""
-    return random_params(abstract_draft_params(config, dtype), seed, std)
+    return random_params(abstract_draft_params(config, dtype, head_copies), seed, std)
 
 
 def load_draft(path: str | Path, dtype: Any = None, progress: bool = False) -> tuple[DraftConfig, dict]:

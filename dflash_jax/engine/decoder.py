@@ -16,11 +16,11 @@ import jax.numpy as jnp
 from dflash_jax.engine.generate import (
     DecodeSettings, GenerationResult, generate, prompt_width,
 )
-from dflash_jax.engine.proposers import DFlashProposer, NoProposer
+from dflash_jax.engine.proposers import NoProposer, make_proposer
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
 from dflash_jax.models.config import TargetConfig, read_json_object, token_ids_field
-from dflash_jax.models.draft import shared_head
+from dflash_jax.models.draft import HEAD_COPIES, shared_head, split_head_copies
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.attention_kernels import check_attention_kernel
 from dflash_jax.precision import resolve_dtype
@@ -42,6 +42,10 @@ class Decoder:
     tree_budget: int = 0  # DecodeSettings.tree_budget: nodes of a verified draft tree per round (0: the chain)
     tree_auto: tuple[int, ...] = ()  # DecodeSettings.tree_auto: the chain or one of these budgets, per phase
     block_verify: bool = False  # DecodeSettings.block_verify: sampled chains judged as whole blocks
+    confidence_threshold: float = 0.0  # DSpark: verify each row up to its first draft predicted below this
+    # DSpark drafts hold copies of the target's embedding and head: "shared" once found equal to the target's
+    # (and dropped), "own" where they differ (the draft decodes with its own); None for other drafts.
+    head_source: str | None = dataclasses.field(default=None, init=False)
     # (params it was made from, config, params) the engine decodes with: see ``decoding_target``
     _decoding: tuple | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -59,12 +63,33 @@ class Decoder:
             self.draft_config.validate_against(self.target_config)
             if self.block_size is None:
                 self.block_size = self.draft_config.block_size
-            if not 2 <= self.block_size <= self.draft_config.block_size:
+            least = 1 if self.draft_config.dspark else 2
+            if not least <= self.block_size <= self.draft_config.block_size:
                 raise UserError(
-                    f"block_size {self.block_size} must be between 2 and the draft's block_size "
+                    f"block_size {self.block_size} must be between {least} and the draft's block_size "
                     f"{self.draft_config.block_size}"
                 )
-            DFlashProposer(self.draft_config, self.block_size, self.dtype, self.draft_window)  # checks the window
+            self.proposer()  # checks the window and the threshold
+            if self.draft_params is not None and any(name in self.draft_params for name in HEAD_COPIES):
+                self._share_head_copies()
+
+    def proposer(self):
+        return make_proposer(self.draft_config, self.block_size, self.dtype, self.draft_window,
+                             self.confidence_threshold)
+
+    def _share_head_copies(self) -> None:
+        """A DSpark draft's own embedding/head: dropped when equal to the target's (one copy in memory),
+        kept (and decoded with) when they differ."""
+        backbone, own = split_head_copies(self.draft_params)
+        target = shared_head(self.target_params, self.target_config.tie_word_embeddings)
+        target_head = target.head_kernel if target.head_kernel is not None else jnp.transpose(target.embedding)
+        same = (own.embedding.shape == target.embedding.shape and own.head_kernel.shape == target_head.shape
+                and bool(jnp.array_equal(own.embedding, target.embedding.astype(own.embedding.dtype)))
+                and bool(jnp.array_equal(own.head_kernel, target_head.astype(own.head_kernel.dtype))))
+        if same:
+            self.draft_params, self.head_source = backbone, "shared"
+        else:
+            self.head_source = "own"
 
     @property
     def has_draft(self) -> bool:
@@ -111,7 +136,7 @@ class Decoder:
         if baseline or not self.has_draft:
             return generate(target_config, target_params, prompts, NoProposer(), NoProposer().init(),
                             settings, seed, self.dtype, on_tokens=on_tokens)
-        proposer = DFlashProposer(self.draft_config, self.block_size, self.dtype, self.draft_window).on_mesh(self.mesh)
+        proposer = self.proposer().on_mesh(self.mesh)
         head = shared_head(target_params, target_config.tie_word_embeddings)
         return generate(target_config, target_params, prompts, proposer,
                         lambda slots: proposer.init(self.draft_params, head, len(prompts), slots), settings, seed,

@@ -247,14 +247,21 @@ def decode_round(target_config: TargetConfig, proposer, settings: DecodeSettings
         jnp.broadcast_to(active[:, None], (b, width)), feature_layers=proposer.feature_layers,
     )
     d = drafts[:, : width - 1]
+    # A proposer's own cut of each row's verify (DSpark's confidence head; proposers.py's docstring).
+    limit = pstate.get("verify_limit") if isinstance(pstate, dict) and width > 1 else None
     if settings.sampling.greedy:
-        acc = accept_greedy(d, verify.logits)
+        acc = accept_greedy(d, verify.logits, limit)
     else:
         probs = draft_probs[:, : width - 1] if draft_probs is not None else None
         if probs is None:  # a deterministic proposal: q is a point mass
             probs = jax.nn.one_hot(d, verify.logits.shape[-1], dtype=jnp.float32)
-        accept = accept_block if settings.block_verify else accept_sampling
-        acc = accept(k_accept, d, probs, verify.logits, settings.sampling)
+        if settings.block_verify:
+            if limit is not None:
+                raise UserError("block verification does not take a proposer's verify cut (a confidence "
+                                "threshold): use token-wise verification")
+            acc = accept_block(k_accept, d, probs, verify.logits, settings.sampling)
+        else:
+            acc = accept_sampling(k_accept, d, probs, verify.logits, settings.sampling, limit)
     a, nxt = acc.num_accepted, acc.next_token
 
     # At most ``width`` new tokens: the accepted drafts, then the target's own next token.

@@ -20,6 +20,11 @@ Methods:
   cache within the same forward.
 
 ``feature_layers`` tells the engine which target features to compute (none for the baseline and oracles).
+
+A proposer whose state holds ``verify_limit [B]`` (DSpark's confidence cut) caps how many of its proposals
+each row may accept this round: the target still checks the whole block (static shapes), but acceptance
+stops at the cap and the next token is the target's own there, exactly as verifying only the first
+``verify_limit`` drafts would give (the target is causal).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ import jax.numpy as jnp
 from dflash_jax.engine.sampling import SamplingConfig, argmax, probabilities, sample
 from dflash_jax.engine.tree import Candidates, top_candidates
 from dflash_jax.errors import UserError
-from dflash_jax.models.draft import DraftModel, SharedHead, init_draft_cache
+from dflash_jax.models.draft import DraftModel, SharedHead, init_draft_cache, split_head_copies
 from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.dspark import confident_prefix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +129,112 @@ class DFlashProposer:
             return argmax(logits), None, state
         probs = probabilities(logits, sampling)
         return sample(key, probs).astype(jnp.int32), probs, state
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkProposer:
+    """A DSpark draft (SPEC 13): one backbone forward over ``[anchor, mask x (B-1)]`` whose position ``k``
+    predicts the token at ``start + k + 1`` (``B`` proposals, verify width ``B + 1``), then the Markov head's
+    left-to-right walk (``DraftModel.dspark_chain``) inside the round. With ``confidence_threshold`` > 0 a row
+    verifies only the drafts before its first position whose predicted acceptance is below it (DeepSpec's
+    evaluator's rule; 0 verifies the whole block, as DeepSpec's offline evaluation and sglang-jax do).
+    Sampling draws each token from the Markov-corrected logits at the decode's temperature / top-k / top-p,
+    and rejection uses those distributions."""
+
+    config: DraftConfig
+    draft_block: int  # the draft's block (tokens in its forward); the engine's block is one more
+    dtype: Any = jnp.float32
+    draft_window: int | None = None
+    confidence_threshold: float = 0.0
+
+    def __post_init__(self):
+        if not self.config.dspark:
+            raise UserError("DSparkProposer needs a DSpark draft config (architectures Qwen3DSparkModel)")
+        if not 1 <= self.draft_block <= self.config.block_size:
+            raise UserError(f"block size {self.draft_block} must be between 1 and the DSpark draft's block_size "
+                            f"{self.config.block_size}")
+        if not 0.0 <= self.confidence_threshold <= 1.0:
+            raise UserError(f"confidence threshold must lie in [0, 1], got {self.confidence_threshold}")
+        if self.confidence_threshold > 0 and not self.config.confidence_head:
+            raise UserError("a confidence threshold needs a draft with a confidence head "
+                            "(enable_confidence_head is false in its config)")
+        if self.draft_window is not None and self.draft_window < 1:
+            raise UserError(f"draft window must be a positive number of positions, got {self.draft_window}")
+
+    @property
+    def block_size(self) -> int:
+        """The engine's block: the anchor and the ``draft_block`` proposals."""
+        return self.draft_block + 1
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    @property
+    def model(self) -> DraftModel:
+        return DraftModel(self.config, self.dtype, self.draft_window)
+
+    def on_mesh(self, mesh) -> "DSparkProposer":
+        if mesh is None:
+            return self
+        from dflash_jax import sharding
+
+        replicas = sharding.kv_replicas(self.config.num_key_value_heads, self.config.num_attention_heads, mesh)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, kv_replicas=replicas))
+
+    def init(self, params: dict, shared: SharedHead, batch: int, slots: int) -> tuple[dict, dict]:
+        """``shared``: the target's embedding and head; a draft that holds its own (``split_head_copies``) uses
+        those instead (``Decoder`` drops them where they equal the target's)."""
+        backbone, own = split_head_copies(params)
+        consts = {"params": backbone, "shared": own if own is not None else shared}
+        state = {"cache": init_draft_cache(self.config, batch, slots, self.dtype, self.draft_window)}
+        if self.confidence_threshold > 0:  # the round's verify cut rides in the state (module docstring)
+            state["verify_limit"] = jnp.full((batch,), self.draft_block, jnp.int32)
+        return consts, state
+
+    def ingest(self, consts: dict, state: dict, features, positions, valid) -> dict:
+        cache = self.model.apply({"params": consts["params"]}, features, positions, valid, state["cache"],
+                                 method=DraftModel.write_context)
+        return {**state, "cache": cache}
+
+    def propose(self, consts: dict, state: dict, ctx, anchor, start, key, sampling: SamplingConfig, block_len=None):
+        # DeepSpec drafts the whole block every round, also where fewer tokens remain (block_len unused):
+        # what lies past max_new_tokens is never committed.
+        b = anchor.shape[0]
+        tokens = jnp.concatenate([anchor[:, None], jnp.full((b, self.draft_block - 1), self.config.mask_token_id,
+                                                            jnp.int32)], axis=1)
+        positions = start[:, None] + jnp.arange(self.draft_block)[None]
+        features, ctx_positions, ctx_valid = ctx
+        out = self.model.apply({"params": consts["params"]}, tokens, positions, features, ctx_positions, ctx_valid,
+                               state["cache"], consts["shared"])
+
+        def choose(logits, step_key):
+            if sampling.greedy:
+                return argmax(logits), None
+            probs = probabilities(logits, sampling)
+            return sample(step_key, probs).astype(jnp.int32), probs
+
+        chain = self.model.apply({"params": consts["params"]}, out.logits, out.hidden, anchor, choose,
+                                 None if sampling.greedy else key, method=DraftModel.dspark_chain)
+        state = {"cache": out.cache}
+        if self.confidence_threshold > 0:
+            state["verify_limit"] = confident_prefix(chain.confidence, self.confidence_threshold)
+        return chain.tokens, chain.probs, state
+
+    def candidates(self, consts, state, ctx, anchor, start, block_len, k: int):
+        raise UserError("tree verification of DSpark drafts is not supported yet (use the chain)")
+
+
+def make_proposer(config: DraftConfig, block_size: int | None = None, dtype: Any = jnp.float32,
+                  draft_window: int | None = None, confidence_threshold: float = 0.0):
+    """The proposer a draft config calls for: ``DSparkProposer`` for DeepSpec's drafts (``block_size`` counts
+    the draft's own block), else ``DFlashProposer``. ``block_size`` None: the draft's."""
+    block = config.block_size if block_size is None else block_size
+    if config.dspark:
+        return DSparkProposer(config, block, dtype, draft_window, confidence_threshold)
+    if confidence_threshold:
+        raise UserError("a confidence threshold needs a DSpark draft with a confidence head")
+    return DFlashProposer(config, block, dtype, draft_window)
 
 
 def draft_logits(config: DraftConfig, params: dict, shared: SharedHead, context_features: jax.Array,

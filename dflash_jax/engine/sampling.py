@@ -105,27 +105,38 @@ class Acceptance(NamedTuple):
     next_token: jax.Array  # [B] the target's own token after them (bonus or resampled replacement)
 
 
-def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array) -> Acceptance:
-    """``draft_tokens [B, K]``; ``target_logits [B, K + 1, V]`` where position k predicts draft token k."""
+def within(limit: jax.Array | None, k: int) -> jax.Array | bool:
+    """``[B, K]``: the draft positions below each row's ``limit [B]`` (True everywhere without one)."""
+    return True if limit is None else jnp.arange(k)[None] < limit[:, None]
+
+
+def accept_greedy(draft_tokens: jax.Array, target_logits: jax.Array, limit: jax.Array | None = None) -> Acceptance:
+    """``draft_tokens [B, K]``; ``target_logits [B, K + 1, V]`` where position k predicts draft token k.
+    ``limit [B]``: at most this many drafts per row may be accepted (a proposer's verify cut)."""
     target_tokens = argmax(target_logits)
-    matches = draft_tokens == target_tokens[:, :-1]
+    matches = (draft_tokens == target_tokens[:, :-1]) & within(limit, draft_tokens.shape[1])
     num = jnp.sum(jnp.cumprod(matches.astype(jnp.int32), axis=1), axis=1)
     bonus = jnp.take_along_axis(target_tokens, num[:, None], axis=1)[:, 0]
     return Acceptance(num.astype(jnp.int32), bonus)
 
 
 def accept_sampling(
-    key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, target_logits: jax.Array, cfg: SamplingConfig
+    key: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array, target_logits: jax.Array, cfg: SamplingConfig,
+    limit: jax.Array | None = None,
 ) -> Acceptance:
     """Lossless rejection sampling. ``draft_probs [B, K, V]`` is the distribution each draft token was drawn
-    from (already processed with ``cfg``); ``target_logits [B, K + 1, V]``."""
+    from (already processed with ``cfg``); ``target_logits [B, K + 1, V]``. ``limit [B]``: only the first
+    ``limit`` drafts of a row are judged; when all of them pass, the next token is drawn from ``p`` at the
+    cut (as the bonus of a block that ended there: the draft's q counts as zero past the cut)."""
     p = probabilities(target_logits, cfg)
     b, k = draft_tokens.shape
+    if limit is not None:
+        draft_probs = jnp.where(within(limit, k)[..., None], draft_probs, 0.0)
     key_u, key_r = jax.random.split(key)
     p_d = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]
     q_d = jnp.take_along_axis(draft_probs, draft_tokens[..., None], axis=-1)[..., 0]
     u = jax.random.uniform(key_u, (b, k))
-    accepted = u * q_d < p_d
+    accepted = (u * q_d < p_d) & within(limit, k)
     num = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)
     # Residual at the first rejected slot; when every draft is accepted, q is zero there and the residual is
     # just p at the last position (the bonus distribution).

@@ -19,6 +19,7 @@ from dflash_jax.models.attention_kernels import Segment
 from dflash_jax.models.cache import KVCache, lengths_after_write, write_slots
 from dflash_jax.models.dflash2 import BlockConv, CandidateSelector, select_chain, select_transitions
 from dflash_jax.models.draft_config import DraftConfig
+from dflash_jax.models.dspark import Chain, Choose, ConfidenceHead, MarkovHead, markov_chain
 from dflash_jax.models.layers import (
     MLP, RMSNorm, apply_rope, cache_attention, rope_inv_freq, to_cache_layout, write_rows,
 )
@@ -43,7 +44,7 @@ def head_logits(shared: SharedHead, x: jax.Array) -> jax.Array:
 class DraftOutput(NamedTuple):
     logits: jax.Array  # [B, block, V] (position 0, the anchor, is meaningless) or [B, block-1, V] without it
     cache: KVCache | None
-    hidden: jax.Array | None = None  # DFlash2: the final-normed hidden states of the same positions
+    hidden: jax.Array | None = None  # DFlash2, DSpark: the final-normed hidden states of the same positions
 
 
 def layer_visibility(query_positions: jax.Array, key_positions: jax.Array, window: int | None,
@@ -226,6 +227,10 @@ class DraftModel(nn.Module):
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype, self.dtype)
         self.candidate_selector = (CandidateSelector(cfg.vocab_size, cfg.selector_rank, cfg.selector_top_k,
                                                      self.dtype) if cfg.dflash2 else None)
+        # DSpark (SPEC 13): the Markov and confidence heads read the same final-normed states as the head.
+        self.markov_head = (MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.markov_head_type, self.dtype)
+                            if cfg.dspark and cfg.markov_rank else None)
+        self.confidence_head = ConfidenceHead(self.dtype) if cfg.dspark and cfg.confidence_head else None
 
     def fuse(self, features: jax.Array) -> jax.Array:
         """Raw concatenated target features ``[..., n*H]`` -> the fused context feature ``[..., H]``."""
@@ -300,7 +305,32 @@ class DraftModel(nn.Module):
             hidden = normed
             if self.is_initializing():
                 self.candidate_selector.project(normed)
+        if self.config.dspark:
+            hidden = normed
+            if self.is_initializing():
+                self.dspark_heads(normed, block_tokens[:, -normed.shape[1]:])
         return DraftOutput(self.normed_logits(normed, shared), cache, hidden)
+
+    def dspark_heads(self, hidden: jax.Array, previous: jax.Array) -> tuple[jax.Array | None, jax.Array | None]:
+        """DSpark, teacher-forced (training; and creating the heads' params at init): the Markov correction
+        ``[..., V]`` and the confidence logits ``[...]`` of positions with final-normed ``hidden [..., H]`` whose
+        previous tokens are ``previous [...]`` (None for a head the draft does not have)."""
+        bias = None if self.markov_head is None else self.markov_head(previous, hidden)
+        conf = None
+        if self.confidence_head is not None:
+            features = hidden
+            if self.config.confidence_with_markov:
+                features = jnp.concatenate([hidden, self.markov_head.codes(previous).astype(hidden.dtype)], axis=-1)
+            conf = self.confidence_head(features)
+        return bias, conf
+
+    def dspark_chain(self, logits: jax.Array, hidden: jax.Array, anchor: jax.Array, choose: Choose,
+                     key: jax.Array | None = None) -> Chain:
+        """DSpark: draft the block left to right through the Markov head (``dspark.markov_chain``) from a
+        forward's ``logits [B, K, V]`` and ``hidden [B, K, H]``."""
+        weights = None if self.markov_head is None else self.markov_head.weights()
+        return markov_chain(weights, self.confidence_head, self.config.confidence_with_markov, logits, hidden,
+                            anchor, choose, key)
 
     def select(self, logits: jax.Array, hidden: jax.Array, anchor: jax.Array, temperature: float = 0.0,
                key: jax.Array | None = None):
@@ -375,6 +405,28 @@ def init_draft_cache(config: DraftConfig, batch: int, slots: int, dtype=jnp.floa
               for n in context_cache_sizes(config, slots, draft_window)]
     return KVCache(tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes),
                    jnp.zeros((batch,), jnp.int32))
+
+
+# DeepSpec's DSpark checkpoints keep their own copies of the target's embedding and head beside the backbone
+# (the same arrays in every released draft); they sit in the draft's params under these names.
+HEAD_COPIES = ("embed_tokens", "lm_head")
+
+
+def split_head_copies(params: dict) -> tuple[dict, SharedHead | None]:
+    """A DSpark draft's params -> (the backbone's params, its own embedding/head as a ``SharedHead``, or None
+    when it holds none)."""
+    if not any(name in params for name in HEAD_COPIES):
+        return params, None
+    backbone = {k: v for k, v in params.items() if k not in HEAD_COPIES}
+    return backbone, SharedHead(params["embed_tokens"]["embedding"], params["lm_head"]["kernel"])
+
+
+def with_head_copies(params: dict, shared: SharedHead) -> dict:
+    """Backbone params plus the embedding/head copies a DeepSpec checkpoint stores (a tied head written out as
+    the embedding's transpose: DeepSpec's drafts have ``tie_word_embeddings: false``)."""
+    backbone, _ = split_head_copies(params)
+    head = shared.head_kernel if shared.head_kernel is not None else jnp.transpose(shared.embedding)
+    return {**backbone, "embed_tokens": {"embedding": shared.embedding}, "lm_head": {"kernel": head}}
 
 
 def shared_head(target_params: dict, tied: bool) -> SharedHead:

@@ -37,6 +37,15 @@ MUSE_ASSISTANT = "muse_glimmer_assistant"
 MUSE_ASSISTANT_ARCHITECTURE = "MuseGlimmerAssistantModel"
 LAYOUTS = ("dflash", MUSE_ASSISTANT)
 # ``MuseGlimmerAssistantConfig``'s defaults (the released 30B drafter's values) for fields a config leaves out.
+# DeepSeek's DSpark drafts (deepseek-ai/DeepSpec ``Qwen3DSparkModel``, SPEC section 13): the DFlash backbone with
+# shifted outputs (block position k predicts the token after ``anchor + k``), an optional Markov head on the
+# previously drafted token and an optional confidence head. Their config.json is the target's plus these
+# fields; their checkpoints hold copies of the target's embedding and head. DeepSpec's "DFlash" baselines are
+# the same class with ``markov_rank: 0`` and no confidence head.
+DEEPSPEC = "deepspec"
+DSPARK_ARCHITECTURES = ("Qwen3DSparkModel",)
+DSPARK_UNSUPPORTED = ("Gemma4DSparkModel",)
+MARKOV_HEAD_TYPES = ("vanilla", "gated")  # DeepSpec's "rnn" head carries a state along the block: not here yet
 MUSE_ASSISTANT_DEFAULTS = {"block_size": 16, "mask_token_id": 201818, "target_layer_ids": [1, 13, 25, 37, 49],
                            "sliding_window": 2048, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
                            "rope_theta": 500000.0}
@@ -100,6 +109,13 @@ class DraftConfig:
     # neither the target's layer count nor its vocabulary (``num_target_layers`` and ``vocab_size`` are 0 then:
     # unknown, taken from the target where an export to the DFlash layout needs them).
     layout: str = "dflash"
+    # DSpark (``layout == DEEPSPEC``): the Markov head's rank (0: none) and kind, the confidence head, whether it
+    # also reads the previous token's Markov embedding, and DeepSpec's training ``num_anchors`` (kept for export).
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+    confidence_with_markov: bool = False
+    num_anchors: int = 512
     # Not in any config file: set for a mesh whose tensor axis outnumbers the draft's KV heads
     # (``sharding.kv_replicas``, ``DFlashProposer.on_mesh``), so that the context cache splits over it.
     kv_replicas: int = 1
@@ -114,6 +130,17 @@ class DraftConfig:
     @property
     def dflash2(self) -> bool:
         return self.conv_kernel_size is not None
+
+    @property
+    def dspark(self) -> bool:
+        """A DeepSpec draft: shifted outputs (``block_size`` proposals, verify width ``block_size + 1``)."""
+        return self.layout == DEEPSPEC
+
+    @property
+    def proposals(self) -> int:
+        """Tokens one draft forward proposes: ``block_size`` (DSpark: every block position predicts the token
+        after it) or ``block_size - 1`` (DFlash: the anchor's own output is dropped)."""
+        return self.block_size if self.dspark else self.block_size - 1
 
     @property
     def num_features(self) -> int:
@@ -148,6 +175,9 @@ class DraftConfig:
     def from_dict(cls, cfg: Mapping[str, Any], source: str = "draft config") -> "DraftConfig":
         if is_muse_assistant_config(cfg):
             return cls._from_muse_assistant(cfg, source)
+        architectures = cfg.get("architectures") or []
+        if isinstance(architectures, list) and set(architectures) & set(DSPARK_ARCHITECTURES + DSPARK_UNSUPPORTED):
+            return cls._from_deepspec(cfg, source)
         nested = cfg.get("dflash_config") or {}
         if not isinstance(nested, Mapping):
             raise ConfigError(f"{source}: 'dflash_config' must be an object")
@@ -286,6 +316,81 @@ class DraftConfig:
         parsed = cls.from_dict(official, source)
         return dataclasses.replace(parsed, layout=MUSE_ASSISTANT, num_target_layers=0, vocab_size=0)
 
+    @classmethod
+    def _from_deepspec(cls, cfg: Mapping[str, Any], source: str) -> "DraftConfig":
+        """DeepSpec's ``Qwen3DSparkModel`` config (SPEC 13): the target's Qwen3 config plus top-level
+        ``block_size``, ``num_target_layers``, ``target_layer_ids``, ``mask_token_id``, ``num_anchors``,
+        ``markov_rank``, ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``. Every
+        layer is bidirectional inside the block (DeepSpec decodes with ``is_causal=False``)."""
+        architectures = cfg.get("architectures") or []
+        unsupported = [a for a in architectures if a in DSPARK_UNSUPPORTED]
+        if unsupported:
+            raise ConfigError(f"{source}: {unsupported[0]} (DeepSpec's Gemma 4 DSpark draft) is not supported yet; "
+                              f"supported: {', '.join(DSPARK_ARCHITECTURES)}")
+        for key in ("block_size", "target_layer_ids", "mask_token_id", "markov_rank", "enable_confidence_head"):
+            if cfg.get(key) is None:
+                raise ConfigError(f"{source}: a DSpark draft config needs the top-level field {key!r}")
+        rank = int_field(cfg, "markov_rank", source, minimum=0)
+        kind = str(cfg.get("markov_head_type") or "vanilla").lower()
+        if rank and kind not in MARKOV_HEAD_TYPES:
+            raise ConfigError(f"{source}: markov_head_type {cfg.get('markov_head_type')!r} is not supported (known "
+                              f"here: {', '.join(MARKOV_HEAD_TYPES)})")
+        confidence = bool_field(cfg, "enable_confidence_head", source, False)
+        with_markov = confidence and bool_field(cfg, "confidence_head_with_markov", source, False)
+        if with_markov and not rank:
+            raise ConfigError(f"{source}: confidence_head_with_markov needs a Markov head (markov_rank is 0)")
+        ids = cfg["target_layer_ids"]
+        if isinstance(ids, (list, tuple)) and any(isinstance(i, int) and i < -1 for i in ids):
+            raise ConfigError(f"{source}: target_layer_ids {ids!r}: -1 (the embeddings) is the only negative id")
+        if bool_field(cfg, "use_sliding_window", source, False):
+            raise ConfigError(f"{source}: use_sliding_window true: DeepSpec decodes DSpark drafts without a "
+                              "window mask, so a windowed DSpark draft has no single meaning here")
+        plain = {k: v for k, v in cfg.items() if k not in ("architectures", "layer_types")}
+        plain["architectures"] = ["DFlashDraftModel"]
+        plain["is_causal"] = False
+        parsed = cls.from_dict(plain, source)
+        return dataclasses.replace(
+            parsed, layout=DEEPSPEC, markov_rank=rank, markov_head_type=kind, confidence_head=confidence,
+            confidence_with_markov=with_markov,
+            num_anchors=int_field(cfg, "num_anchors", source, 512, minimum=1))
+
+    def to_deepspec_dict(self) -> dict[str, Any]:
+        """DeepSpec's ``config.json`` (``Qwen3DSparkModel``): a Qwen3 config plus the DSpark fields."""
+        if self.dflash2 or self.context_injection != "every_layer" or self.is_causal is not False:
+            raise ConfigError("a DSpark draft is a plain bidirectional DFlash backbone (no DFlash2 pieces, "
+                              "context in every layer)")
+        out = {
+            "architectures": list(DSPARK_ARCHITECTURES), "model_type": "qwen3",
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps, "attention_bias": self.attention_bias, "attention_dropout": 0.0,
+            "layer_types": ["full_attention"] * self.num_hidden_layers, "use_sliding_window": False,
+            "sliding_window": None, "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size, "tie_word_embeddings": False,
+            "block_size": self.block_size, "num_target_layers": self.num_target_layers,
+            "target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+            "num_anchors": self.num_anchors, "markov_rank": self.markov_rank,
+            "markov_head_type": self.markov_head_type, "enable_confidence_head": self.confidence_head,
+            "confidence_head_with_markov": self.confidence_with_markov,
+        }
+        out.update(rope_to_hf(self.rope))
+        return out
+
+    def as_dspark(self, markov_rank: int = 256, markov_head_type: str = "vanilla", confidence_head: bool = True,
+                  confidence_with_markov: bool = True) -> "DraftConfig":
+        """This backbone as a new DSpark draft (training): bidirectional, DeepSpec's layout and heads."""
+        if markov_head_type not in MARKOV_HEAD_TYPES:
+            raise ConfigError(f"markov_head_type {markov_head_type!r} is not one of {', '.join(MARKOV_HEAD_TYPES)}")
+        if confidence_with_markov and not markov_rank:
+            raise ConfigError("confidence_head_with_markov needs a Markov head (markov_rank > 0)")
+        if self.sliding_window is not None:
+            raise ConfigError("a DSpark draft has no sliding window (DeepSpec decodes without one)")
+        return dataclasses.replace(
+            self, layout=DEEPSPEC, is_causal=False, layer_types=("full_attention",) * self.num_hidden_layers,
+            markov_rank=markov_rank, markov_head_type=markov_head_type, confidence_head=confidence_head,
+            confidence_with_markov=confidence_head and confidence_with_markov)
+
     def muse_assistant_refusal(self) -> str | None:
         """Why this draft has no exact ``MuseGlimmerAssistantModel`` form (SPEC 11.2c), or None."""
         if self.dflash2:
@@ -340,6 +445,10 @@ class DraftConfig:
         neither ``num_target_layers`` nor ``vocab_size``: going to the DFlash layout from it needs ``target``."""
         if layout not in LAYOUTS:
             raise ConfigError(f"draft layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if self.dspark:
+            if layout == "dflash":  # the trainer's export names the layout it writes; a DSpark draft keeps its own
+                return self
+            raise ConfigError(f"a DSpark draft has no {layout} form (its outputs are shifted by one position)")
         if layout == MUSE_ASSISTANT:
             self.to_muse_assistant_dict()  # raises when inexact
             return dataclasses.replace(self, layout=layout)
@@ -382,6 +491,8 @@ class DraftConfig:
         (``to_muse_assistant_dict``)."""
         if self.layout == MUSE_ASSISTANT:
             return self.to_muse_assistant_dict()
+        if self.dspark:
+            return self.to_deepspec_dict()
         out: dict[str, Any] = {
             "architectures": [DFLASH2 if self.dflash2 else "DFlashDraftModel"],
             "model_type": self.model_type,
@@ -453,6 +564,8 @@ class DraftConfig:
                 f"{source}: draft hidden_size {self.hidden_size} != target hidden_size {target.hidden_size}"
             )
         for i in self.target_layer_ids:
+            if i == -1 and self.dspark:  # DeepSpec: -1 reads the embeddings (hidden_states[0])
+                continue
             if not 0 <= i < target.num_hidden_layers:
                 raise ConfigError(
                     f"{source}: target_layer_ids contains {i}, outside the target's "

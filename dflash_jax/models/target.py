@@ -298,6 +298,8 @@ class TargetModel(nn.Module):
             slots = None
             mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
         features, new_keys, new_values, new_linear, new_indexer = {}, [], [], [], []
+        if -1 in feature_layers:  # DeepSpec's id -1: the embedding output (transformers' hidden_states[0])
+            features[-1] = x
         last = len(self.layers) - 1
         attention_index = {layer: n for n, layer in enumerate(self.config.attention_layers)}
         linear_index = {layer: n for n, layer in enumerate(self.config.linear_layers)}
