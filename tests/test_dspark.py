@@ -298,3 +298,78 @@ def test_sampling_is_lossless_and_rejection_needs_the_corrected_distribution():
     assert p > 1e-3, p
     assert max(a for row in out.accept_lengths for a in row) >= 2  # drafts are accepted: rejection is exercised
     assert results["control"][0] < 1e-3, results["control"][0]
+
+
+# --- training ------------------------------------------------------------------------------------------------
+
+def deepspec_loss_numpy(weights, cfg, embed, head, features, tokens, loss_mask, anchors, target_hidden,
+                        gamma=4.0, alphas=(0.1, 0.9, 1.0)):
+    """DeepSpec's DSpark loss (SPEC 13.6) for ONE sequence, in float64, block by block: block ``[token[a], mask
+    x (B-1)]`` at ``a .. a+B-1`` sees the context features before ``a``; position k's label is ``token[a+k+1]``,
+    valid while every label up to it lies inside the sequence and the loss mask; weights ``exp(-k/gamma)``;
+    the Markov head teacher-forced on the true previous tokens; ``p_t`` from the target's final hidden state at
+    ``a + k``. Returns (loss, expected acceptance length per valid block)."""
+    b = int(cfg["block_size"])
+    length = len(tokens)
+    ce = l1 = bce = weight = tau = blocks = 0.0
+    for a in anchors:
+        block = np.array([tokens[a]] + [int(cfg["mask_token_id"])] * (b - 1))
+        base, hidden = draft_forward_reference(weights, cfg, embed, head, features[:a], block, a, return_hidden=True)
+        labels = [tokens[a + k + 1] if a + k + 1 < length else 0 for k in range(b)]
+        valid = np.cumprod([a + k + 1 < length and loss_mask[a + k + 1] for k in range(b)]).astype(bool)
+        _, logits, conf = dspark_chain_reference(weights, cfg, base, hidden, tokens[a], labels)
+        run, prod = 0.0, 1.0
+        for k in range(b):
+            if not valid[k]:
+                break
+            w = np.exp(-k / gamma)
+            x = logits[k] - logits[k].max()
+            p_d = np.exp(x) / np.exp(x).sum()
+            t = target_hidden[a + k] @ head.T
+            t = np.exp(t - t.max())
+            p_t = t / t.sum()
+            dist = np.abs(p_d - p_t).sum()
+            accept = min(max(1 - dist / 2, 0.0), 1.0)
+            ce += w * (np.log(np.exp(x).sum()) - x[labels[k]])
+            l1 += w * dist
+            bce += w * (np.log1p(np.exp(-conf[k])) + (1 - accept) * conf[k])
+            weight += w
+            prod *= accept
+            run += prod
+        if valid[0]:
+            tau, blocks = tau + 1 + run, blocks + 1
+    return (alphas[0] * ce + alphas[1] * l1 + alphas[2] * bce) / weight, tau / blocks
+
+
+def test_training_loss_equals_deepspecs_loss_built_in_numpy(pair, tmp_path):
+    """``draft_loss_sums`` of packed DSpark blocks (chunked, rematerialised) against the NumPy construction of
+    DeepSpec's loss: relative 1e-5 (fp32 against float64), the expected acceptance metric too."""
+    from dflash_jax.training.anchors import block_labels
+    from dflash_jax.training.loss import LossSpec, loss_and_metrics
+    from dflash_jax.training.step import draft_loss_sums
+
+    tc, tp = pair[0], pair[1]
+    cfg = deepspec_config()
+    weights = write_deepspec_draft(tmp_path, cfg, tp, seed=11)
+    config, params = load_draft(tmp_path)
+    backbone_params, own = split_head_copies(params)
+    rng = np.random.default_rng(2)
+    length = 20
+    tokens = rng.integers(0, VOCAB - 1, length).astype(np.int32)
+    loss_mask = np.ones(length, bool)
+    loss_mask[:4] = False
+    loss_mask[15] = False  # a gap: blocks stop at it
+    features = rng.standard_normal((length, 2 * HIDDEN)).astype(np.float32)
+    target_hidden = rng.standard_normal((length, HIDDEN)).astype(np.float32)
+    anchors = np.array([4, 7, 12, 16, 18], np.int32)
+    blk, pos, labels, label_mask = block_labels(tokens, loss_mask, length, anchors[None], np.ones((1, 5), bool),
+                                                BLOCK + 1, mask_token_id=VOCAB - 1)
+    spec = LossSpec(gamma=4.0, dspark_weights=(0.1, 0.9, 1.0))
+    sums = jax.jit(lambda p: draft_loss_sums(DraftModel(config), p, jnp.asarray(features)[None], blk[..., :BLOCK],
+                                             pos[..., :BLOCK], jnp.ones((1, 5), bool), labels, label_mask, own, spec,
+                                             2, jnp.asarray(target_hidden)[None]))(backbone_params)
+    loss, metrics = loss_and_metrics(sums, dspark_weights=(0.1, 0.9, 1.0))
+    want, tau = deepspec_loss_numpy(weights, cfg, weights["embed_tokens.weight"], weights["lm_head.weight"],
+                                    features, tokens, loss_mask, anchors, target_hidden)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["expected_acceptance_length"]), tau, rtol=1e-5)

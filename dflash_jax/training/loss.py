@@ -80,6 +80,9 @@ class LossSpec:
     position_weights: str = "decay"
     dpace_alpha: float = 0.5  # D-PACE smoothing of q (the paper's default; 0.3-0.7 reported stable)
     selector_weight: float = 1.0  # DFlash2: weight of the selector's cross-entropy beside the block loss
+    # DSpark (DeepSpec's loss, SPEC 13.6): the weights of the cross-entropy, the L1 distance between the draft's
+    # and the target's distributions, and the confidence head's BCE; None for the other drafts.
+    dspark_weights: tuple[float, float, float] | None = None
 
     def __post_init__(self):
         if self.position_weights not in POSITION_WEIGHTS:
@@ -93,6 +96,10 @@ class LossSpec:
             raise UserError(f"temperature must be positive, got {self.temperature}")
         if not self.selector_weight >= 0:
             raise UserError(f"selector_weight must not be negative, got {self.selector_weight}")
+        if self.dspark_weights is not None and (len(self.dspark_weights) != 3
+                                                or not all(w >= 0 for w in self.dspark_weights)):
+            raise UserError(f"dspark loss weights must be three non-negative numbers (ce, l1, confidence), got "
+                            f"{self.dspark_weights}")
 
 
 def dpace_weights(ce: jax.Array, mask: jax.Array, alpha: float) -> jax.Array:
@@ -119,19 +126,28 @@ class LossSums(NamedTuple):
     count: jax.Array  # [B] valid labels per block position
     accepted: jax.Array  # sum over blocks with a label at k = 1 of (1 + leading run of correct predictions)
     blocks: jax.Array  # number of such blocks
+    # DSpark (0 otherwise): sums of w_k * L1(p_draft, p_target), of w_k * the confidence head's BCE, and over
+    # blocks of DeepSpec's ``tau_probabilistic`` (1 + sum_k prod_{j<=k} (1 - L1_j / 2) over the valid prefix)
+    weighted_l1: jax.Array = 0.0
+    weighted_confidence: jax.Array = 0.0
+    expected_accepted: jax.Array = 0.0
 
     @classmethod
     def zeros(cls, block_size: int) -> "LossSums":
         z = jnp.zeros((), jnp.float32)
         return cls(z, z, z, z, z, jnp.zeros((block_size,), jnp.float32), jnp.zeros((block_size,), jnp.float32),
-                   z, z)
+                   z, z, z, z, z)
 
     def __add__(self, other: "LossSums") -> "LossSums":  # type: ignore[override]
         return LossSums(*(a + b for a, b in zip(self, other)))
 
-    def objective(self, kl_weight: float, selector_weight: float = 0.0) -> jax.Array:
+    def objective(self, kl_weight: float, selector_weight: float = 0.0,
+                  dspark_weights: tuple[float, float, float] | None = None) -> jax.Array:
         """The unnormalised training objective ``sum(w * ((1 - a) ce + a kl + s selector))`` (differentiate
-        this, then divide by the global ``weight``)."""
+        this, then divide by the global ``weight``); a DSpark draft's ``sum(w * (c ce + l l1 + b bce))``."""
+        if dspark_weights is not None:
+            c, l1, b = dspark_weights
+            return c * self.weighted_ce + l1 * self.weighted_l1 + b * self.weighted_confidence
         total = self.weighted_ce
         if kl_weight == 1.0:
             total = self.weighted_kl
@@ -174,7 +190,7 @@ _kl_of_logits.defvjp(_kl_forward, _kl_backward)
 def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.Array, spec: LossSpec,
                     target_logits: jax.Array | None = None,
                     selector: tuple[jax.Array, jax.Array] | None = None,
-                    prefix: jax.Array | None = None) -> LossSums:
+                    prefix: jax.Array | None = None, confidence: jax.Array | None = None) -> LossSums:
     """``LossSums`` of blocks from the logits of their MASK positions only.
 
     ``draft_logits [..., B-1, V]`` are block positions 1..B-1 (the anchor predicts nothing, so its logits are
@@ -206,7 +222,11 @@ def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.
         w = jnp.where(mask_k, jnp.asarray(decay_weights(block, spec.gamma)[1:]), 0.0)
         normaliser = jnp.sum(w)
     weighted_kl = jnp.zeros((), jnp.float32)
-    if target_logits is not None:
+    zero = jnp.zeros((), jnp.float32)
+    dspark = {"weighted_l1": zero, "weighted_confidence": zero, "expected_accepted": zero}
+    if spec.dspark_weights is not None:  # DeepSpec's L1 and confidence terms (SPEC 13.6)
+        dspark.update(dspark_sums(logits, target_logits, confidence, mask_k, w))
+    elif target_logits is not None:
         weighted_kl = jnp.sum(w * forward_kl(target_logits, logits, spec.temperature))
     z = jnp.zeros((), jnp.float32)
     weighted_selector = head_correct = z
@@ -230,8 +250,30 @@ def block_loss_sums(draft_logits: jax.Array, labels: jax.Array, label_mask: jax.
         weighted_ce=jnp.sum(w * ce), weighted_kl=weighted_kl, weighted_selector=weighted_selector,
         head_correct=head_correct, weight=normaliser.astype(jnp.float32),
         correct=jnp.concatenate([pad, correct.sum(0)]), count=jnp.concatenate([pad, mask_f.sum(0)]),
-        accepted=jnp.sum((1.0 + run) * has_block), blocks=has_block.sum(),
+        accepted=jnp.sum((1.0 + run) * has_block), blocks=has_block.sum(), **dspark,
     )
+
+
+def dspark_sums(logits: jax.Array, target_logits: jax.Array, confidence: jax.Array | None, mask: jax.Array,
+                w: jax.Array) -> dict:
+    """DeepSpec's extra terms over a block's proposals ``[..., K]``: the L1 distance ``sum_v |p_d - p_t|`` of the
+    draft's (Markov-corrected) and the target's distributions, the acceptance it implies ``clamp(1 - L1/2, 0,
+    1)`` (the probability that rejection sampling keeps the draft's sample), the confidence head's BCE against
+    that acceptance (a constant target), and the blocks' expected acceptance length over the valid prefix."""
+    p_draft = jax.nn.softmax(logits, axis=-1)
+    p_target = jax.nn.softmax(jax.lax.stop_gradient(target_logits).astype(jnp.float32), axis=-1)
+    l1 = jnp.sum(jnp.abs(p_draft - p_target), axis=-1)
+    accept = jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0)
+    out = {"weighted_l1": jnp.sum(w * l1)}
+    if confidence is not None:
+        target = jax.lax.stop_gradient(accept)
+        x = confidence.astype(jnp.float32)
+        bce = jnp.maximum(x, 0.0) - x * target + jnp.log1p(jnp.exp(-jnp.abs(x)))  # BCE with logits, stable
+        out["weighted_confidence"] = jnp.sum(w * bce)
+    valid = mask.astype(jnp.float32)
+    run = jnp.cumprod(jax.lax.stop_gradient(accept) * valid, axis=-1).sum(-1)
+    out["expected_accepted"] = jnp.sum((1.0 + run) * valid[..., 0])
+    return out
 
 
 def implied_acceptance(accuracy_per_position: jax.Array) -> jax.Array:
@@ -240,15 +282,15 @@ def implied_acceptance(accuracy_per_position: jax.Array) -> jax.Array:
     return 1.0 + jnp.sum(jnp.cumprod(accuracy_per_position[1:]))
 
 
-def loss_and_metrics(sums: LossSums, kl_weight: float = 0.0, selector_weight: float | None = None
-                     ) -> tuple[jax.Array, dict]:
+def loss_and_metrics(sums: LossSums, kl_weight: float = 0.0, selector_weight: float | None = None,
+                     dspark_weights: tuple[float, float, float] | None = None) -> tuple[jax.Array, dict]:
     """The one division: loss ``objective / normaliser`` and the metrics, from (globally reduced) sums. With a
     KL term the metrics also hold ``ce`` and ``kl`` apart; with a selector (``selector_weight`` not None: a
     DFlash2 draft) its loss and the head's own accuracy before the selector (``accuracy`` and the acceptance
     metrics count the selector's picks: what the engine proposes)."""
     per_pos = sums.correct / jnp.maximum(sums.count, 1.0)
     weight = jnp.maximum(sums.weight, 1e-12)
-    loss = sums.objective(kl_weight, selector_weight or 0.0) / weight
+    loss = sums.objective(kl_weight, selector_weight or 0.0, dspark_weights) / weight
     metrics = {
         "loss": loss,
         "accuracy": sums.correct.sum() / jnp.maximum(sums.count.sum(), 1.0),
@@ -260,6 +302,11 @@ def loss_and_metrics(sums: LossSums, kl_weight: float = 0.0, selector_weight: fl
     if kl_weight > 0.0:
         metrics["ce"] = sums.weighted_ce / weight
         metrics["kl"] = sums.weighted_kl / weight
+    if dspark_weights is not None:
+        metrics["ce"] = sums.weighted_ce / weight
+        metrics["l1"] = sums.weighted_l1 / weight
+        metrics["confidence_loss"] = sums.weighted_confidence / weight
+        metrics["expected_acceptance_length"] = sums.expected_accepted / jnp.maximum(sums.blocks, 1.0)
     if selector_weight is not None:
         metrics["selector_loss"] = sums.weighted_selector / weight
         metrics["head_accuracy"] = sums.head_correct / jnp.maximum(sums.count.sum(), 1.0)

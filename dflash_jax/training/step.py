@@ -65,6 +65,9 @@ class StepConfig:
     prefix_base: float = 0.9  # variable_prefix: Pr(l) proportional to prefix_base**l (D2SD's and NeMo's 0.9)
     prefix_min: int = 1  # variable_prefix: shortest visible prefix, the anchor included (1: the standard block)
     prefix_max: int | None = None  # variable_prefix: longest visible prefix (None: B-1)
+    # DSpark drafts (SPEC 13.6): shifted blocks (position k learns the token at a + k + 1) and DeepSpec's loss,
+    # ``(ce, l1, confidence)`` weights; None for DFlash drafts. ``gamma`` then weighs position k by exp(-k/gamma).
+    dspark_weights: tuple[float, float, float] | None = None
 
     def __post_init__(self):
         self.loss_spec  # validates the loss fields
@@ -78,6 +81,10 @@ class StepConfig:
                 raise UserError(f"prefix_base must be positive, got {self.prefix_base}")
             if self.prefix_min < 1 or (self.prefix_max is not None and self.prefix_max < self.prefix_min):
                 raise UserError(f"need 1 <= prefix_min <= prefix_max, got {self.prefix_min} and {self.prefix_max}")
+        if self.dspark_weights is not None and (self.loss != "ce" or self.position_weights != "decay"
+                                                or self.loss_mode != "standard"):
+            raise UserError("a DSpark draft trains with DeepSpec's loss (train.dspark_loss_weights): train.loss, "
+                            "position_weights and loss_mode keep their defaults (ce, decay, standard)")
 
     @property
     def prefix_range(self) -> tuple[int, int]:
@@ -86,7 +93,17 @@ class StepConfig:
     @property
     def loss_spec(self) -> LossSpec:
         return LossSpec(self.gamma, kl_share(self.loss, self.kl_weight), self.temperature, self.position_weights,
-                        self.dpace_alpha, self.selector_weight)
+                        self.dpace_alpha, self.selector_weight, self.dspark_weights)
+
+    @property
+    def label_width(self) -> int:
+        """Labels per block: the anchor's slot and ``B - 1`` mask positions (DFlash), or the anchor's slot and
+        ``B`` proposals (DSpark: every block position predicts the token after it)."""
+        return self.block_size + (1 if self.dspark_weights is not None else 0)
+
+    @property
+    def needs_target_logits(self) -> bool:
+        return self.kl_share > 0 or self.dspark_weights is not None
 
     @property
     def kl_share(self) -> float:
@@ -118,9 +135,20 @@ def _chunk_logits_sums(module: DraftModel, context_kv, target_hidden, block_toke
     With ``target_hidden`` the chunk's target logits are formed here too, so the ``[.., B-1, V]`` arrays of
     both models exist for one chunk at a time (and are recomputed in the backward pass, not stored)."""
     x = constrain_batch(_block_hidden(module, context_kv, block_tokens, block_positions, anchor_valid, shared))
+    if module.config.dspark:  # every position proposes the token after it: the labels' frame is one wider
+        block_positions = jnp.concatenate([block_positions, block_positions[..., -1:] + 1], axis=-1)
     target_logits = None
     if target_hidden is not None:
         target_logits = constrain_batch(_target_logits_at(shared, target_hidden, block_positions))
+    if module.config.dspark:
+        normed = module.norm(x)
+        logits = constrain_batch(module.normed_logits(normed, shared))
+        # teacher forcing: each position's previous token is the true one (the anchor, then the labels)
+        previous = jnp.concatenate([block_tokens[..., :1], labels[..., 1:-1]], axis=-1)
+        bias, confidence = module.dspark_heads(normed, previous)
+        if bias is not None:
+            logits = logits + bias
+        return block_loss_sums(logits, labels, label_mask, spec, target_logits, confidence=confidence)
     normed = module.norm(x[:, :, 1:])
     logits = constrain_batch(module.normed_logits(normed, shared))
     selector = None
@@ -167,7 +195,7 @@ def draft_loss_sums(model: DraftModel, params: Any, target_features: jax.Array, 
 
     xs = tuple(chunks(x) for x in (block_tokens, block_positions, anchor_valid, labels, label_mask)
                + (() if prefix is None else (prefix,)))
-    total, _ = jax.lax.scan(body, LossSums.zeros(b), xs)
+    total, _ = jax.lax.scan(body, LossSums.zeros(labels.shape[-1]), xs)
     return total
 
 
@@ -200,7 +228,7 @@ def batch_loss_sums(draft_params: Any, target_params: Any, batch: Batch, key: ja
     batch = {k: constrain_batch(v) for k, v in batch.items()}  # sequences stay split over data x fsdp
     tokens, loss_mask, lengths = batch["tokens"], batch["loss_mask"].astype(bool), batch["lengths"]
     final = None
-    if cfg.kl_share > 0:
+    if cfg.needs_target_logits:
         features, final = target_features(target, target_params, batch, cfg.feature_layers, final_hidden=True)
     else:
         features = target_features(target, target_params, batch, cfg.feature_layers)
@@ -211,7 +239,8 @@ def batch_loss_sums(draft_params: Any, target_params: Any, batch: Batch, key: ja
     else:
         anchors, valid = sample_row_anchors(row_keys, loss_mask, lengths, cfg.num_anchors)
     block_tokens, block_positions, labels, label_mask = block_labels(
-        tokens, loss_mask, lengths, anchors, valid, cfg.block_size, mask_token_id=cfg.mask_token_id)
+        tokens, loss_mask, lengths, anchors, valid, cfg.label_width, mask_token_id=cfg.mask_token_id)
+    block_tokens, block_positions = block_tokens[..., :cfg.block_size], block_positions[..., :cfg.block_size]
     prefix = None
     if cfg.loss_mode == "variable_prefix":
         prefix = constrain_batch(sample_prefix_lengths(row_keys, cfg.num_anchors, *cfg.prefix_range, cfg.prefix_base))
@@ -247,7 +276,7 @@ def accumulated_gradients(params: Any, target_params: Any, batch: Batch, key: ja
 
     def objective(p, mb, idx):
         sums = batch_loss_sums(_cast(p, compute_dtype), target_params, mb, key, idx, target, draft, cfg)
-        return sums.objective(cfg.kl_share, cfg.selector_weight), sums
+        return sums.objective(cfg.kl_share, cfg.selector_weight, cfg.dspark_weights), sums
 
     grad_fn = jax.grad(objective, has_aux=True)
 
@@ -258,7 +287,7 @@ def accumulated_gradients(params: Any, target_params: Any, batch: Batch, key: ja
         return (jax.tree.map(jnp.add, grads, g_m), sums + s_m), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, sums), _ = jax.lax.scan(body, (zeros, LossSums.zeros(cfg.block_size)), (micro, rows))
+    (grads, sums), _ = jax.lax.scan(body, (zeros, LossSums.zeros(cfg.label_width)), (micro, rows))
     grads = jax.tree.map(lambda x: x / jnp.maximum(sums.weight, 1e-12), grads)
     return grads, sums
 
@@ -336,7 +365,7 @@ def make_train_step(target: TargetModel, draft: DraftModel, cfg: StepConfig, opt
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         loss, metrics = loss_and_metrics(sums, cfg.kl_share,
-                                         cfg.selector_weight if draft.config.dflash2 else None)
+                                         cfg.selector_weight if draft.config.dflash2 else None, cfg.dspark_weights)
         metrics["grad_norm"] = optax.tree.norm(grads)
         metrics["tokens"] = jnp.sum(batch["lengths"]).astype(jnp.float32)
         if schedule is not None:
