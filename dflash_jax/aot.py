@@ -232,7 +232,7 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
     from dflash_jax.checkpoints.hf_target import abstract_target_params
     from dflash_jax.checkpoints.official_draft import abstract_draft_params
     from dflash_jax.engine.generate import DecodeSettings, cache_slots, jitted_functions, prompt_width, verify_span
-    from dflash_jax.engine.proposers import DFlashProposer, NoProposer
+    from dflash_jax.engine.proposers import NoProposer, make_proposer
     from dflash_jax.models.experts import recording_reads, with_packed_layouts
     from dflash_jax.models.draft import shared_head
     from dflash_jax.platform import compiling_for
@@ -250,7 +250,9 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
     target_config = with_packed_experts(target_config, experts)
     if draft_config is not None:
         draft_config.validate_against(target_config)
-    block = (block_size or draft_config.block_size) if draft_config is not None else 1
+    block = 1
+    if draft_config is not None:  # the engine's block: a DSpark draft's block plus its anchor
+        block = make_proposer(draft_config, block_size).block_size
     prompt = context - max_new_tokens
     if context > target_config.max_position_embeddings:
         raise UserError(f"context {context} exceeds the target's {target_config.max_position_embeddings} positions")
@@ -273,8 +275,10 @@ def plan_decode(target_config, draft_config=None, *, batch: int = 1, context: in
         if draft_config is None:
             proposer, (consts, pstate) = NoProposer(), NoProposer().init()
         else:
-            proposer = DFlashProposer(draft_config, block, dtype).on_mesh(the_mesh)
-            dparams = abstract_draft_params(draft_config, dtype)
+            proposer = make_proposer(draft_config, block_size, dtype).on_mesh(the_mesh)
+            # a DSpark draft's copies of the target's embedding and head are dropped where they equal the
+            # target's (Decoder), as in every released draft: planned shared
+            dparams = abstract_draft_params(draft_config, dtype, head_copies=False)
             dparams = abstract(dparams, sharding.tree_shardings(dparams, the_mesh))
             consts = {"params": dparams, "shared": shared_head(tparams, target_config.tie_word_embeddings)}
             pstate = jax.eval_shape(lambda: proposer.init(None, None, batch, slots)[1])

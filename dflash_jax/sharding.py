@@ -103,6 +103,14 @@ PARAM_RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"_conv/kernel_projection/kernel$", ("embed", None)),
     (r"candidate_selector/(predecessor|successor)_codebook$", ("vocab", "embed")),
     (r"candidate_selector/hidden_projection/kernel$", ("embed", None)),
+    # DSpark's heads (models/dspark.py): the Markov head's tables split over the vocabulary as the embedding's;
+    # its gate and the confidence head are small and stay whole
+    (r"markov_head/markov_w1/embedding$", ("vocab", None)),
+    (r"markov_head/markov_w2/kernel$", (None, "vocab")),
+    (r"markov_head/gate_proj/kernel$", (None, None)),
+    (r"markov_head/gate_proj/bias$", (None,)),
+    (r"confidence_head/proj/kernel$", (None, None)),
+    (r"confidence_head/proj/bias$", (None,)),
     # Every RMSNorm (layer norms, q/k norms, final and hidden norms, DeltaNet's), replicated: also MiniMax-M2's
     # q/k norms over the whole projection ([heads * head_dim]; their RMS is reduced over the tensor axis).
     # Gemma 4's numbered FFN norms (``pre_feedforward_layernorm_2``, ``post_feedforward_layernorm_1`` / ``_2``).

@@ -46,7 +46,7 @@ from dflash_jax.engine.generate import (
     DecodeSettings, GenerationResult, jitted_functions, decode_round, generate, prompt_width, cache_slots,
     verify_span,
 )
-from dflash_jax.engine.proposers import DFlashProposer, NoProposer, OracleProposer
+from dflash_jax.engine.proposers import NoProposer, OracleProposer, make_proposer
 from dflash_jax.engine.sampling import SamplingConfig
 from dflash_jax.errors import UserError
 from dflash_jax.evaluation.machine import load_average, machine_info
@@ -404,7 +404,8 @@ def first_difference(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> 
 
 def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSettings,
                       prompts: list[list[int]]) -> dict[str, Timing]:
-    dtype, block, b = s.dtype, s.block_size, s.batch
+    dtype, b = s.dtype, s.batch
+    block = make_proposer(dc, s.block_size, dtype).block_size  # the engine's block (a DSpark draft's + 1)
     target = TargetModel(tc, dtype)
     settings = s.decode_settings()
     width = prompt_width(s.context, s.new_tokens, tc.max_position_embeddings)
@@ -419,7 +420,7 @@ def component_timings(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: 
     slots = max(cache_slots(s.context, s.new_tokens, block, tc.max_position_embeddings), extra_slots)
 
     def prefilled(window):
-        prop = DFlashProposer(dc, block, dtype, window)
+        prop = make_proposer(dc, s.block_size, dtype, window)
         consts, pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), b, slots)
         pre, _ = jitted_functions(tc, prop, settings, slots, dtype)
         return prop, consts, jax.block_until_ready(pre(tp, consts, pstate, tokens, lengths, key))
@@ -567,7 +568,7 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
     """The whole benchmark; returns a JSON-ready report (see :func:`format_report`). With ``mesh`` the
     params are placed by the sharding rules and every end-to-end decode runs sharded over it."""
     s.validate()
-    DFlashProposer(dc, s.block_size, s.dtype, s.draft_window)  # validates the block size against the draft
+    make_proposer(dc, s.block_size, s.dtype, s.draft_window)  # validates the block size against the draft
     prompts = random_prompts(tc.vocab_size, s.batch, s.context, s.seed)
     if mesh is not None:
         from dflash_jax import sharding
@@ -590,11 +591,12 @@ def run_speed(tc: TargetConfig, tp: dict, dc: DraftConfig, dp: dict, s: SpeedSet
                               seed=s.seed, dtype=s.dtype)
     ar_warm = run_ar()
     reference_tokens = ar_warm.tokens
-    width = cache_slots(s.context, s.new_tokens, verify_span(tree, s.block_size), tc.max_position_embeddings)
-    reference, errors = plant_errors(prompts, reference_tokens, s.tau, s.block_size, width)
-    oracle = OracleProposer(s.block_size, tc.vocab_size)
+    prop = make_proposer(dc, s.block_size, s.dtype, s.draft_window).on_mesh(mesh)
+    block = prop.block_size  # the engine's block (a DSpark draft's + 1)
+    width = cache_slots(s.context, s.new_tokens, verify_span(tree, block), tc.max_position_embeddings)
+    reference, errors = plant_errors(prompts, reference_tokens, s.tau, block, width)
+    oracle = OracleProposer(block, tc.vocab_size)
     ostate = oracle.init(jnp.asarray(reference), jnp.asarray(errors))
-    prop = DFlashProposer(dc, s.block_size, s.dtype, s.draft_window).on_mesh(mesh)
     pstate = prop.init(dp, shared_head(tp, tc.tie_word_embeddings), s.batch, width)
     modes = {
         "autoregressive": run_ar,

@@ -18,6 +18,8 @@ from dflash_jax.models.config import ConfigError
 from dflash_jax.models.draft_config import CONTEXT_INJECTIONS, DFLASH2_FIELDS
 from dflash_jax.training.loss import LOSSES, POSITION_WEIGHTS
 
+DSPARK_FIELDS = ("markov_rank", "markov_head_type", "confidence_head")  # draft.* keys of a new DSpark draft
+
 REQUIRED = object()
 
 # section -> key -> (default, allowed type(s), help). ``None`` defaults are optional.
@@ -48,10 +50,17 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
                                    "sqrt(head_dim), so tiny heads cannot focus)"),
         "context_injection": (None, (str,), "every_layer (DFlash: features as keys/values in every layer) or "
                                             "input (the paper's ablation: features at the input only)"),
-        "architecture": (None, (str,), "a new draft's kind: dflash (the paper's; default) or dflash2 (block "
-                                       "convolutions in every layer and a candidate selector, DFlash2DraftModel); "
+        "architecture": (None, (str,), "a new draft's kind: dflash (the paper's; default), dflash2 (block "
+                                       "convolutions in every layer and a candidate selector, DFlash2DraftModel) "
+                                       "or dspark (DeepSeek's DSpark: shifted outputs, a Markov head and a "
+                                       "confidence head, DeepSpec's Qwen3DSparkModel layout and loss); "
                                        "with draft.init of a DFlash draft (e.g. Meta's Muse Glimmer drafter), "
                                        "dflash2 grows it into a DFlash2 draft that starts out proposing as it did"),
+        "markov_rank": (None, (int,), "dspark: rank of the Markov head (default 256; 0: none, DeepSpec's "
+                                      "shifted-DFlash baseline)"),
+        "markov_head_type": (None, (str,), "dspark: vanilla (default) or gated"),
+        "confidence_head": (None, (bool,), "dspark: train a confidence head (default true; needs the Markov "
+                                           "head's codes as input when markov_rank > 0, as DeepSpec's)"),
         "conv_kernel_size": (None, (int,), "dflash2: convolution length along the block (default 2)"),
         "conv_group_size": (None, (int,), "dflash2: channels sharing one dynamic kernel (default 16)"),
         "selector_rank": (None, (int,), "dflash2: rank of the selector's pairwise score (default 256)"),
@@ -77,7 +86,8 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "accum_steps": (1, (int,), "gradient-accumulation micro-steps per optimizer step"),
         "num_anchors": (512, (int,), "anchors (blocks) drawn per sequence at every step"),
         "anchor_chunk": (64, (int,), "anchors per rematerialised chunk (memory vs speed)"),
-        "gamma": (None, (float, int), "loss decay exp(-(k-1)/gamma) (default: 7 for B=16, 5 for 10, 4 for 8)"),
+        "gamma": (None, (float, int), "loss decay exp(-(k-1)/gamma) (default: 7 for B=16, 5 for 10, 4 for 8; "
+                                           "dspark: exp(-k/gamma) over its B proposals, 4 as DeepSpec's)"),
         "uniform_loss": (False, (bool,), "ablation: equal weight for every block position"),
         "loss": ("ce", (str,), "ce (cross-entropy on the data's tokens: the paper's), kl (forward KL against the "
                                "target's own distribution, computed in the same step) or ce+kl"),
@@ -88,6 +98,9 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "dpace_alpha": (0.5, (float, int), "position_weights dpace: smoothing of the draft's label probability"),
         "selector_weight": (1.0, (float, int), "dflash2 drafts: weight of the selector's teacher-forced "
                                                "cross-entropy beside the block loss"),
+        "dspark_loss_weights": ([0.1, 0.9, 1.0], (list,), "dspark drafts: weights of DeepSpec's cross-entropy, "
+                                                         "L1 distance to the target's distribution and "
+                                                         "confidence BCE (the paper's 0.1, 0.9, 1.0)"),
         "anchors": ("random", (str,), "random (fresh distinct anchors every step) or uniform (ablation: "
                                       "non-overlapping blocks end to end)"),
         "loss_mode": ("standard", (str,), "standard (each block: the anchor, then mask tokens) or variable_prefix "
@@ -227,14 +240,30 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
     if out["draft"]["context_injection"] not in (None, *CONTEXT_INJECTIONS):
         raise ConfigError(f"{source}: draft.context_injection must be one of {', '.join(CONTEXT_INJECTIONS)}, got "
                           f"{out['draft']['context_injection']!r}")
-    if out["draft"]["architecture"] not in (None, "dflash", "dflash2"):
-        raise ConfigError(f"{source}: draft.architecture must be dflash or dflash2, got {out['draft']['architecture']!r}")
+    if out["draft"]["architecture"] not in (None, "dflash", "dflash2", "dspark"):
+        raise ConfigError(f"{source}: draft.architecture must be dflash, dflash2 or dspark, got "
+                          f"{out['draft']['architecture']!r}")
+    if out["draft"]["architecture"] != "dspark":
+        given = [k for k in DSPARK_FIELDS if out["draft"][k] is not None]
+        if given:
+            raise ConfigError(f"{source}: draft.{given[0]} belongs to a DSpark draft; set draft.architecture: dspark")
+    weights = train["dspark_loss_weights"]
+    if (not isinstance(weights, list) or len(weights) != 3
+            or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in weights)):
+        raise ConfigError(f"{source}: train.dspark_loss_weights must be three non-negative numbers (ce, l1, "
+                          f"confidence), got {weights!r}")
+    if out["draft"]["markov_head_type"] not in (None, "vanilla", "gated"):
+        raise ConfigError(f"{source}: draft.markov_head_type must be vanilla or gated, got "
+                          f"{out['draft']['markov_head_type']!r}")
+    if out["draft"]["markov_rank"] is not None and out["draft"]["markov_rank"] < 0:
+        raise ConfigError(f"{source}: draft.markov_rank must be >= 0, got {out['draft']['markov_rank']}")
     if out["draft"]["architecture"] != "dflash2":
         given = [k for k in DFLASH2_FIELDS if out["draft"][k] is not None]
         if given:
             raise ConfigError(f"{source}: draft.{given[0]} belongs to a DFlash2 draft; set draft.architecture: dflash2")
-    if out["draft"]["block_size"] is not None and out["draft"]["block_size"] < 2:
-        raise ConfigError(f"{source}: draft.block_size must be at least 2, got {out['draft']['block_size']}")
+    least = 1 if out["draft"]["architecture"] == "dspark" else 2
+    if out["draft"]["block_size"] is not None and out["draft"]["block_size"] < least:
+        raise ConfigError(f"{source}: draft.block_size must be at least {least}, got {out['draft']['block_size']}")
     if out["output"]["export_dtype"] not in (None, "float32", "bfloat16", "float16"):
         raise ConfigError(f"{source}: output.export_dtype must be float32, bfloat16 or float16, got "
                           f"{out['output']['export_dtype']!r}")

@@ -32,8 +32,9 @@ from dflash_jax.data.regenerate import TRAINING_DATA_KEY, training_data_thinking
 from dflash_jax.engine.decoder import stop_tokens_of
 from dflash_jax.engine.generate import prompt_width
 from dflash_jax.models.config import ConfigError, TargetConfig
-from dflash_jax.models.draft import DraftModel
+from dflash_jax.models.draft import DraftModel, shared_head, split_head_copies, with_head_copies
 from dflash_jax.models.draft_config import DFLASH2, DFLASH2_FIELDS, DraftConfig
+from dflash_jax.training.run_config import DSPARK_FIELDS
 from dflash_jax.models.target import TargetModel
 from dflash_jax.errors import UserError
 from dflash_jax.precision import resolve_dtype
@@ -44,8 +45,9 @@ from dflash_jax.training.step import StepConfig, TrainState, init_train_state, m
 
 NEW_DRAFT_KEYS = ("num_layers", "block_size", "target_layer_ids", "mask_token_id", "intermediate_size",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "context_injection", "architecture",
-                  *DFLASH2_FIELDS)
+                  *DFLASH2_FIELDS, *DSPARK_FIELDS)
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+DSPARK_GAMMA = 4.0  # DeepSpec's loss_decay_gamma for every DSpark recipe
 UNIFORM_GAMMA = 1e9  # exp(-(k-1)/gamma) == 1 to float precision: the uniform-weight ablation
 
 
@@ -86,6 +88,11 @@ def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, di
                               f"draft's own config decides it); remove it or train a new draft")
         config, params = load_draft_any(d["init"], dtype="float32", what="draft.init", revision=d["init_revision"])
         config.validate_against(target, source=f"draft.init {d['init']}")
+        if config.dspark:  # a DSpark draft trains its backbone and heads; its embedding/head copies are the target's
+            params, _ = split_head_copies(params)
+        if upgrade and config.dspark:
+            raise ConfigError("run config: draft.architecture dflash2 cannot grow a DSpark draft (draft.init): its "
+                              "outputs are shifted by one position")
         if upgrade and not config.dflash2:
             return dflash2_from(config, params, target, {k: d[k] or DFLASH2_DEFAULTS[k] for k in DFLASH2_FIELDS})
         return config, params
@@ -95,6 +102,12 @@ def build_draft_config(cfg: dict, target: TargetConfig) -> tuple[DraftConfig, di
     shape = {k: d[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                                "context_injection") if d[k]}
     config = dataclasses.replace(config, **shape)
+    if d["architecture"] == "dspark":  # DeepSpec's recipe: block 7, rank 256, a confidence head on the codes
+        if d["block_size"] is None:
+            config = dataclasses.replace(config, block_size=7)
+        rank = 256 if d["markov_rank"] is None else d["markov_rank"]
+        confidence = True if d["confidence_head"] is None else d["confidence_head"]
+        config = config.as_dspark(rank, d["markov_head_type"] or "vanilla", confidence, confidence and rank > 0)
     if d["architecture"] == "dflash2":  # through the official config, so its checks name the same fields
         official = config.to_official_dict()
         official["architectures"] = [DFLASH2]
@@ -259,7 +272,9 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
 
     t = cfg["train"]
     block = draft_config.block_size
-    gamma = UNIFORM_GAMMA if t["uniform_loss"] else float(t["gamma"] or default_gamma(block))
+    # DSpark: position k (from 0) weighs exp(-k/gamma), DeepSpec's gamma 4 at every block size
+    gamma = UNIFORM_GAMMA if t["uniform_loss"] else float(
+        t["gamma"] or (DSPARK_GAMMA if draft_config.dspark else default_gamma(block)))
     step_cfg = StepConfig(block_size=block, gamma=gamma, mask_token_id=draft_config.mask_token_id,
                           feature_layers=draft_config.target_layer_ids, num_anchors=t["num_anchors"],
                           anchor_chunk=t["anchor_chunk"], accum_steps=t["accum_steps"],
@@ -267,7 +282,9 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
                           kl_weight=float(t["kl_weight"]), temperature=float(t["kl_temperature"]),
                           position_weights=t["position_weights"], dpace_alpha=float(t["dpace_alpha"]),
                           selector_weight=float(t["selector_weight"]), loss_mode=t["loss_mode"],
-                          prefix_base=float(t["prefix_base"]), prefix_min=t["prefix_min"], prefix_max=t["prefix_max"])
+                          prefix_base=float(t["prefix_base"]), prefix_min=t["prefix_min"], prefix_max=t["prefix_max"],
+                          dspark_weights=(tuple(float(w) for w in t["dspark_loss_weights"]) if draft_config.dspark
+                                          else None))
     global_batch = t["global_batch"]
     num_rows = len(tokenized)
     epoch_steps = steps_per_run(num_rows, global_batch, t["epochs"])
@@ -294,7 +311,8 @@ def prepare_run(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | No
         "target": {"config": target_config.to_hf_dict(), "dtype": jnp.dtype(dtype).name},
     }
     if init_params is None:
-        init_params = init_draft_params(draft_config, seed=t["seed"], std=float(cfg["draft"]["init_std"]))
+        init_params = init_draft_params(draft_config, seed=t["seed"], std=float(cfg["draft"]["init_std"]),
+                                        head_copies=False)
     return Run(cfg, mesh, dtype, target_config, target_params, draft_config, init_params, tokenized, eval_prompts,
                stop_tokens, step_cfg, optimizer, schedule, total_steps, fingerprint)
 
@@ -375,7 +393,7 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
         export_dir = None
         if not stopped:
             export_dir = export_draft(out_dir / "export", draft_config, state.params, cfg["output"]["export_dtype"],
-                                      data_meta)
+                                      data_meta, target_params, run.target_config.tie_word_embeddings)
             if jax.process_index() == 0:
                 log(f"exported {export_dir / 'draft'} (official layout) and {export_dir / 'draft-orbax'} (Orbax)")
             if eval_prompts:
@@ -414,7 +432,7 @@ def evaluate_tau(run: Run, draft_params: Any, prompts: list[list[int]] | None = 
 
 
 def export_draft(directory: Path, config: DraftConfig, params: Any, dtype: str | None,
-                 data_meta: dict | None = None) -> Path:
+                 data_meta: dict | None = None, target_params: Any = None, tied: bool = False) -> Path:
     """The trained draft in the official layout (servable by SGLang/vLLM, loadable by ``python -m infer
     --ckpt``) and as an Orbax checkpoint; written beside and renamed into place when complete. Every process
     takes part (Orbax saves collectively); process 0 writes the files. ``data_meta`` (the training data's
@@ -423,6 +441,10 @@ def export_draft(directory: Path, config: DraftConfig, params: Any, dtype: str |
     from jax.experimental import multihost_utils
 
     multi = jax.process_count() > 1
+    if config.dspark:  # DeepSpec's layout holds the target's embedding and head beside the backbone
+        if target_params is None:
+            raise UserError("exporting a DSpark draft needs the target's params (its embedding and head)")
+        params = with_head_copies(params, shared_head(target_params, tied))
     if multi:
         params = multihost_utils.process_allgather(params, tiled=True)
     host = jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(params))
