@@ -6,14 +6,15 @@
 #
 # GROUP picks the rows: paper (the paper's ablations, the default), recipe (the 2026 recipe options: Muon and
 # the variable-prefix objective, two seeds, trained at blocks 16 and 8, beside the base at both; first the
-# step times of the three side by side) or all.
+# step times of the three side by side), dspark (DSpark against DeepSpec's shifted DFlash, the paper's DFlash and
+# DFlash2, every draft verifying 8 tokens a round, two seeds) or all.
 #
 #   scripts/ablations.sh [OUT_DIR [STEPS [GROUP]]]      (defaults: runs/ablations-1200, 1200, paper)
 set -euo pipefail
 OUT=${1:-runs/ablations-1200}
 STEPS=${2:-1200}
 GROUP=${3:-paper}
-case $GROUP in paper|recipe|all) ;; *) echo "GROUP must be paper, recipe or all, got '$GROUP'" >&2; exit 2;; esac
+case $GROUP in paper|recipe|dspark|all) ;; *) echo "GROUP must be paper, recipe, dspark or all, got '$GROUP'" >&2; exit 2;; esac
 CONFIG=configs/runs/stories260k-b16.yaml
 TARGET=dflash_jax/assets/stories260k/target
 HELDOUT=data/stories260k/heldout.jsonl
@@ -69,9 +70,22 @@ recipe_rows() {  # the base, Muon and variable prefix; seed 0 at block 16 first,
   done
 }
 
+dspark_rows() {  # every draft verifies 8 tokens a round: DFlash and DFlash2 at block 8, the DeepSpec kinds at 7
+  local seed sfx
+  for seed in 0 1; do
+    sfx=$([ "$seed" = 1 ] && echo -seed1 || true)
+    row "dspark-b7$sfx" 7 --set "train.seed=$seed" --set draft.architecture=dspark --set draft.block_size=7
+    row "dflash-shifted-b7$sfx" 7 --set "train.seed=$seed" --set draft.architecture=dspark --set draft.block_size=7 \
+      --set draft.markov_rank=0 --set draft.confidence_head=false --set "train.dspark_loss_weights=[1.0, 0.0, 0.0]"
+    row "dflash-b8$sfx" 8 --set "train.seed=$seed" --set draft.block_size=8
+    row "dflash2-b8$sfx" 8 --set "train.seed=$seed" --set draft.block_size=8 --set draft.architecture=dflash2
+  done
+}
+
 case $GROUP in
   paper) paper_rows ;;
   recipe) recipe_rows ;;
-  all) paper_rows; recipe_rows ;;
+  dspark) dspark_rows ;;
+  all) paper_rows; recipe_rows; dspark_rows ;;
 esac
 summary

@@ -524,3 +524,21 @@ def test_shipped_run_configs_are_valid_and_name_their_draft_kind(path):
     cfg = load_run_config(path)
     expected = None if path.name in PAPER_RECIPE_RUNS else "dflash2"
     assert cfg["draft"]["architecture"] == expected, path.name
+
+
+def test_dspark_pairings_match_deepspecs_configs():
+    """DeepSpec's released block-7 drafts (SPEC 13.7): DSpark with a rank-256 Markov head and a confidence head
+    on [h ; w1[x]], and the shifted DFlash baseline without either; both hold copies of the target's embedding
+    and head, as their checkpoints do."""
+    p, draft, _ = shapes("qwen3-8b-dspark-b7")
+    d = p.draft
+    assert d.dspark and (d.block_size, d.proposals, d.markov_rank, d.confidence_head, d.confidence_with_markov) == (
+        7, 7, 256, True, True)
+    assert p.hf_draft == "deepseek-ai/dspark_qwen3_8b_block7" and d.target_layer_ids == (1, 9, 17, 25, 33)
+    assert draft[("markov_head", "markov_w1", "embedding")] == (151936, 256)
+    assert draft[("confidence_head", "proj", "kernel")] == (4096 + 256, 1)
+    assert draft[("embed_tokens", "embedding")] == (151936, 4096) and draft[("lm_head", "kernel")] == (4096, 151936)
+    q, baseline, _ = shapes("qwen3-8b-deepspec-dflash-b7")
+    assert q.draft.dspark and q.draft.markov_rank == 0 and not q.draft.confidence_head
+    assert not any(k[0] in ("markov_head", "confidence_head") for k in baseline)
+    assert load_pairing("qwen3-14b-dspark-b7").draft.target_layer_ids == (1, 10, 19, 28, 37)
