@@ -373,3 +373,29 @@ def test_training_loss_equals_deepspecs_loss_built_in_numpy(pair, tmp_path):
                                     features, tokens, loss_mask, anchors, target_hidden)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     np.testing.assert_allclose(float(metrics["expected_acceptance_length"]), tau, rtol=1e-5)
+
+
+def test_infer_cli_takes_a_deepspec_checkpoint_with_a_threshold(pair, tmp_path, capsys):
+    """``python -m infer --target T --ckpt D``: a checkpoint in DeepSpec's layout, greedy output identical to
+    the baseline with and without ``--confidence-threshold``; the shared head said; a threshold on a draft
+    without a confidence head is one clear error."""
+    from cli_tiny import write_tokenizer
+    from dflash_jax.checkpoints.hf_target import save_target
+    from infer.__main__ import main
+
+    tc, tp, draft_dir, _, _, _ = pair
+    target_dir = tmp_path / "target"
+    save_target(tc, tp, target_dir)
+    write_tokenizer(target_dir)
+    argv = ["--target", str(target_dir), "--ckpt", str(draft_dir), "--prompt", "hello there", "--max-new-tokens",
+            "16", "--baseline", "--json"]
+    for extra in ([], ["--confidence-threshold", "0.4"]):
+        assert main(argv + extra) == 0
+        captured = capsys.readouterr()
+        doc = json.loads(captured.out)
+        assert all(row["matches_baseline"] for row in doc["results"])
+        assert "embedding and head copies equal the target's" in captured.err
+    plain = tmp_path / "plain"
+    write_deepspec_draft(plain, deepspec_config(enable_confidence_head=False, confidence_head_with_markov=False), tp)
+    assert main(argv[:3] + [str(plain)] + argv[4:] + ["--confidence-threshold", "0.4"]) == 2
+    assert "needs a draft with a confidence head" in capsys.readouterr().err
