@@ -163,7 +163,7 @@ def _settings(args: argparse.Namespace) -> dict:
                 "num_anchors": t["num_anchors"], "anchor_chunk": t["anchor_chunk"], "accum_steps": t["accum_steps"],
                 "dtype": t["dtype"], "mesh": cfg["mesh"],
                 "gamma": UNIFORM_GAMMA if t["uniform_loss"] else t["gamma"], "loss": t["loss"],
-                "kl_weight": t["kl_weight"], "loss_mode": t["loss_mode"],
+                "kl_weight": t["kl_weight"], "loss_mode": t["loss_mode"], "dspark_loss_weights": t["dspark_loss_weights"],
                 "optimizer": {"learning_rate": t["learning_rate"], "warmup_ratio": t["warmup_ratio"],
                               "clip_norm": t["clip_norm"], "weight_decay": t["weight_decay"],
                               "min_lr_ratio": t["min_lr_ratio"], "optimizer": t["optimizer"],
@@ -296,7 +296,9 @@ def plan_main(args: argparse.Namespace) -> int:
                           feature_layers=draft.target_layer_ids, num_anchors=s["num_anchors"],
                           anchor_chunk=s["anchor_chunk"], accum_steps=s["accum_steps"],
                           tied_head=target.tie_word_embeddings, loss=s["loss"], kl_weight=float(s["kl_weight"]),
-                          loss_mode=s.get("loss_mode", "standard"))  # Muon's state (one moment) is planned too
+                          loss_mode=s.get("loss_mode", "standard"),  # Muon's state (one moment) is planned too
+                          dspark_weights=tuple(s.get("dspark_loss_weights") or (0.1, 0.9, 1.0)) if draft.dspark
+                          else None)
     optimizer, schedule = make_optimizer(total_steps=1000, **s["optimizer"])
     if not args.json:
         shown = ",".join(f"{a}={n}" for a, n in mesh.shape.items())

@@ -415,7 +415,7 @@ HEAD_COPIES = ("embed_tokens", "lm_head")
 def split_head_copies(params: dict) -> tuple[dict, SharedHead | None]:
     """A DSpark draft's params -> (the backbone's params, its own embedding/head as a ``SharedHead``, or None
     when it holds none)."""
-    if not any(name in params for name in HEAD_COPIES):
+    if params is None or not any(name in params for name in HEAD_COPIES):
         return params, None
     backbone = {k: v for k, v in params.items() if k not in HEAD_COPIES}
     return backbone, SharedHead(params["embed_tokens"]["embedding"], params["lm_head"]["kernel"])

@@ -216,7 +216,7 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
     if global_batch % step_cfg.accum_steps:
         raise UserError(f"global batch {global_batch} is not divisible by accum_steps {step_cfg.accum_steps}")
     target_abstract = abstract_target_params(target_config, dtype)
-    draft_abstract = abstract_draft_params(draft_config, jnp.float32)
+    draft_abstract = abstract_draft_params(draft_config, jnp.float32, head_copies=False)  # DSpark: trained without
     if target is None:
         context, lowering = jax.set_mesh(mesh), {}
     else:
