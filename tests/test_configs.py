@@ -515,6 +515,7 @@ RUN_CONFIGS = sorted((CONFIG_DIR / "runs").glob("*.yaml"))
 # The ablation protocol's base (docs/ablations.md) trains the paper's recipe; every other shipped run config
 # names the ablation's winner, a DFlash2 draft.
 PAPER_RECIPE_RUNS = {"stories260k-b16.yaml"}
+DSPARK_RUNS = {"qwen3-8b-dspark-b7.yaml"}  # DeepSpec's recipe, for the released DSpark drafts' target
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.name)
@@ -522,7 +523,7 @@ def test_shipped_run_configs_are_valid_and_name_their_draft_kind(path):
     from dflash_jax.training.run_config import load_run_config
 
     cfg = load_run_config(path)
-    expected = None if path.name in PAPER_RECIPE_RUNS else "dflash2"
+    expected = None if path.name in PAPER_RECIPE_RUNS else "dspark" if path.name in DSPARK_RUNS else "dflash2"
     assert cfg["draft"]["architecture"] == expected, path.name
 
 

@@ -189,7 +189,7 @@ def run_bench(
         raise UserError("the benchmark needs a draft (DFlash) as well as the target")
     if replay:
         check_replay(decoder.adaptive_widths, sampling)
-    block = int(decoder.block_size)
+    block = int(decoder.proposer().block_size)  # tokens a round verifies (a DSpark draft's block + 1)
     greedy = sampling.greedy
     rows: list[dict] = []
     summary: dict[str, dict] = {}

@@ -32,6 +32,7 @@ from dflash_jax.models.config import TargetConfig
 from dflash_jax.models.draft import DraftModel, shared_head
 from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.target import TargetModel
+from dflash_jax.errors import UserError
 from dflash_jax.training.forward import draft_training_proposals
 from dflash_jax.training.step import target_features
 
@@ -68,6 +69,9 @@ def teacher_forced_acceptance(target_config: TargetConfig, target_params: dict, 
     compared with the answer itself (positions past its end count as rejections). The target runs once over
     the whole text; the draft over chunks of ANCHOR_CHUNK anchors; the text is padded to a power of two so
     that a set of answers compiles a few programs, not one each."""
+    if draft_config.dspark:
+        raise UserError("teacher-forced replay is not implemented for DSpark drafts (their Markov head walks the "
+                        "drafted tokens); run bench without --replay")
     sequence = list(prompt) + list(answer)
     tokens = np.zeros((1, bucket(len(sequence) + block)), np.int32)
     tokens[0, : len(sequence)] = sequence
