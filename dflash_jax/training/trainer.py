@@ -395,7 +395,8 @@ def fit(cfg: dict, *, tokenized=None, eval_prompts: list[list[int]] | None = Non
             export_dir = export_draft(out_dir / "export", draft_config, state.params, cfg["output"]["export_dtype"],
                                       data_meta, target_params, run.target_config.tie_word_embeddings)
             if jax.process_index() == 0:
-                log(f"exported {export_dir / 'draft'} (official layout) and {export_dir / 'draft-orbax'} (Orbax)")
+                layout = "DeepSpec's Qwen3DSparkModel layout" if draft_config.dspark else "official layout"
+                log(f"exported {export_dir / 'draft'} ({layout}) and {export_dir / 'draft-orbax'} (Orbax)")
             if eval_prompts:
                 eval_tau = evaluate_tau(run, state.params)
                 logger.write(step, {"eval_tau": eval_tau})
