@@ -399,3 +399,36 @@ def test_infer_cli_takes_a_deepspec_checkpoint_with_a_threshold(pair, tmp_path, 
     write_deepspec_draft(plain, deepspec_config(enable_confidence_head=False, confidence_head_with_markov=False), tp)
     assert main(argv[:3] + [str(plain)] + argv[4:] + ["--confidence-threshold", "0.4"]) == 2
     assert "needs a draft with a confidence head" in capsys.readouterr().err
+
+
+def test_a_hybrid_moe_target_decodes_dspark_exactly_with_cut_rounds():
+    """Qwen3-Next (Gated DeltaNet + gated attention + experts): a near-bigram target (every residual branch's
+    output projection scaled by 0.01) and a DSpark draft whose Markov head holds the target's one-token
+    successor table, with a random confidence head and a threshold: rounds commit from 1 to a whole block, so
+    the recurrent states and KV caches roll back to many different prefixes, and the output is the
+    autoregressive decode's."""
+    from dflash_jax.checkpoints.official_draft import init_draft_params
+    from dflash_jax.models.target import TargetModel
+    from engine_tiny import tiny_moe_target
+
+    tc, tp = tiny_moe_target("qwen3_next", seed=1)
+    tp = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 0.01 if any(getattr(k, "key", "") in ("o_proj", "out_proj", "down_proj")
+                                        for k in path) else x, tp)
+    ids = jnp.arange(VOCAB, dtype=jnp.int32)[:, None]
+    logits = TargetModel(tc).apply({"params": tp}, ids, jnp.zeros_like(ids)).logits[:, 0]
+    successor = np.asarray(jnp.argmax(logits, -1))
+    cfg = DraftConfig.from_dict(deepspec_config(markov_rank=VOCAB))
+    params = init_draft_params(cfg, seed=2, head_copies=False)
+    params["markov_head"] = {"markov_w1": {"embedding": jnp.eye(VOCAB, dtype=jnp.float32)},
+                             "markov_w2": {"kernel": jnp.asarray(np.eye(VOCAB)[successor] * 50.0, jnp.float32)}}
+    # confidence logits about N(2, 1.2): under the threshold 0.7 at about one position in six
+    params["confidence_head"]["proj"]["kernel"] = jnp.asarray(
+        np.random.default_rng(0).standard_normal((HIDDEN + VOCAB, 1)) * 0.15, jnp.float32)
+    params["confidence_head"]["proj"]["bias"] = jnp.full((1,), 2.0, jnp.float32)
+    base = Decoder(tc, tp, cfg, params).generate(PROMPTS, 40, baseline=True)
+    for threshold in (0.0, 0.7):
+        out = Decoder(tc, tp, cfg, params, confidence_threshold=threshold).generate(PROMPTS, 40)
+        assert out.tokens == base.tokens, threshold
+        lengths = {a for row in out.accept_lengths for a in row[:-1]}
+        assert max(lengths) >= 4 and len(lengths) >= 3, (threshold, out.accept_lengths)
