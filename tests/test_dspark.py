@@ -427,8 +427,7 @@ def test_a_hybrid_moe_target_decodes_dspark_exactly_with_cut_rounds():
         np.random.default_rng(0).standard_normal((HIDDEN + VOCAB, 1)) * 0.15, jnp.float32)
     params["confidence_head"]["proj"]["bias"] = jnp.full((1,), 2.0, jnp.float32)
     base = Decoder(tc, tp, cfg, params).generate(PROMPTS, 40, baseline=True)
-    for threshold in (0.0, 0.7):
-        out = Decoder(tc, tp, cfg, params, confidence_threshold=threshold).generate(PROMPTS, 40)
-        assert out.tokens == base.tokens, threshold
-        lengths = {a for row in out.accept_lengths for a in row[:-1]}
-        assert max(lengths) >= 4 and len(lengths) >= 3, (threshold, out.accept_lengths)
+    out = Decoder(tc, tp, cfg, params, confidence_threshold=0.7).generate(PROMPTS, 40)
+    assert out.tokens == base.tokens
+    lengths = {a for row in out.accept_lengths for a in row[:-1]}
+    assert max(lengths) >= 4 and len(lengths) >= 3, out.accept_lengths
