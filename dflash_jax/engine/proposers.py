@@ -44,8 +44,37 @@ from dflash_jax.models.draft_config import DraftConfig
 from dflash_jax.models.dspark import confident_prefix
 
 
+class DraftProposer:
+    """What the two draft proposers share: a ``DraftModel`` of ``config`` whose context cache lives in the state
+    (``state["cache"]``) and takes the verified positions' features in ``ingest``."""
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    @property
+    def model(self) -> DraftModel:
+        return DraftModel(self.config, self.dtype, self.draft_window)
+
+    def on_mesh(self, mesh) -> "DraftProposer":
+        """This proposer for ``mesh`` (None: itself): where the tensor axis outnumbers the draft's KV heads, its
+        context cache keeps each head ``sharding.kv_replicas`` times, so that it splits over that axis as the
+        target's does (``generate.jitted_functions``) instead of sitting whole on every device."""
+        if mesh is None:
+            return self
+        from dflash_jax import sharding
+
+        replicas = sharding.kv_replicas(self.config.num_key_value_heads, self.config.num_attention_heads, mesh)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, kv_replicas=replicas))
+
+    def ingest(self, consts: dict, state: dict, features, positions, valid) -> dict:
+        cache = self.model.apply({"params": consts["params"]}, features, positions, valid, state["cache"],
+                                 method=DraftModel.write_context)
+        return {**state, "cache": cache}
+
+
 @dataclasses.dataclass(frozen=True)
-class DFlashProposer:
+class DFlashProposer(DraftProposer):
     """The DFlash draft: one forward per round over ``[anchor, mask x K]``. A DFlash2 draft then walks its
     candidate selector over the block: its tokens, and when sampling the selector's distributions (the
     probabilities lossless verification needs; no top-k/top-p on them, as the official code)."""
@@ -63,33 +92,9 @@ class DFlashProposer:
         if self.draft_window is not None and self.draft_window < 1:
             raise UserError(f"draft window must be a positive number of positions, got {self.draft_window}")
 
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.config.target_layer_ids
-
-    @property
-    def model(self) -> DraftModel:
-        return DraftModel(self.config, self.dtype, self.draft_window)
-
-    def on_mesh(self, mesh) -> "DFlashProposer":
-        """This proposer for ``mesh`` (None: itself): where the tensor axis outnumbers the draft's KV heads, its
-        context cache keeps each head ``sharding.kv_replicas`` times, so that it splits over that axis as the
-        target's does (``generate.jitted_functions``) instead of sitting whole on every device."""
-        if mesh is None:
-            return self
-        from dflash_jax import sharding
-
-        replicas = sharding.kv_replicas(self.config.num_key_value_heads, self.config.num_attention_heads, mesh)
-        return dataclasses.replace(self, config=dataclasses.replace(self.config, kv_replicas=replicas))
-
     def init(self, params: dict, shared: SharedHead, batch: int, slots: int) -> tuple[dict, dict]:
         consts = {"params": params, "shared": shared}
         return consts, {"cache": init_draft_cache(self.config, batch, slots, self.dtype, self.draft_window)}
-
-    def ingest(self, consts: dict, state: dict, features, positions, valid) -> dict:
-        cache = self.model.apply({"params": consts["params"]}, features, positions, valid, state["cache"],
-                                 method=DraftModel.write_context)
-        return {"cache": cache}
 
     def _forward(self, consts: dict, state: dict, ctx, anchor, start, block_len):
         b = anchor.shape[0]
@@ -132,7 +137,7 @@ class DFlashProposer:
 
 
 @dataclasses.dataclass(frozen=True)
-class DSparkProposer:
+class DSparkProposer(DraftProposer):
     """A DSpark draft (SPEC 13): one backbone forward over ``[anchor, mask x (B-1)]`` whose position ``k``
     predicts the token at ``start + k + 1`` (``B`` proposals, verify width ``B + 1``), then the Markov head's
     left-to-right walk (``DraftModel.dspark_chain``) inside the round. With ``confidence_threshold`` > 0 a row
@@ -166,22 +171,6 @@ class DSparkProposer:
         """The engine's block: the anchor and the ``draft_block`` proposals."""
         return self.draft_block + 1
 
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.config.target_layer_ids
-
-    @property
-    def model(self) -> DraftModel:
-        return DraftModel(self.config, self.dtype, self.draft_window)
-
-    def on_mesh(self, mesh) -> "DSparkProposer":
-        if mesh is None:
-            return self
-        from dflash_jax import sharding
-
-        replicas = sharding.kv_replicas(self.config.num_key_value_heads, self.config.num_attention_heads, mesh)
-        return dataclasses.replace(self, config=dataclasses.replace(self.config, kv_replicas=replicas))
-
     def init(self, params: dict, shared: SharedHead, batch: int, slots: int) -> tuple[dict, dict]:
         """``shared``: the target's embedding and head; a draft that holds its own (``split_head_copies``) uses
         those instead (``Decoder`` drops them where they equal the target's)."""
@@ -191,11 +180,6 @@ class DSparkProposer:
         if self.confidence_threshold > 0:  # the round's verify cut rides in the state (module docstring)
             state["verify_limit"] = jnp.full((batch,), self.draft_block, jnp.int32)
         return consts, state
-
-    def ingest(self, consts: dict, state: dict, features, positions, valid) -> dict:
-        cache = self.model.apply({"params": consts["params"]}, features, positions, valid, state["cache"],
-                                 method=DraftModel.write_context)
-        return {**state, "cache": cache}
 
     def propose(self, consts: dict, state: dict, ctx, anchor, start, key, sampling: SamplingConfig, block_len=None):
         # DeepSpec drafts the whole block every round, also where fewer tokens remain (block_len unused):
