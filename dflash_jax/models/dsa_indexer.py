@@ -180,7 +180,12 @@ def index_scores(q: jax.Array, w: jax.Array, keys: jax.Array, per_head_above: in
 def select_topk(scores: jax.Array, visible: jax.Array, topk: int) -> jax.Array:
     """The keys each query keeps, ``[B, T, S]`` bool: the ``topk`` highest ``scores`` among its ``visible`` keys
     (all of them when it sees at most ``topk``). Exactly ``min(topk, visible)`` per query; among equal scores at
-    the boundary the lower slot wins (``lax.top_k``'s order)."""
+    the boundary the lower slot wins (``lax.top_k``'s order), the same rule in prefill, verify and step.
+    Exact ties are common with few indexer heads: a key whose dot product is <= 0 for every head scores exactly
+    0 after the ReLU (about 2^-heads of the keys), and with negative head weights 0 is often the top score.
+    DeepSeek's reference and transformers (``torch.topk``) leave that order undefined; on CPU torch orders ties
+    by the row's length and contents, so transformers' own cached decode and fresh forward disagree there
+    (issue 53: parity with it holds up to these ties)."""
     s = scores.shape[-1]
     if topk >= s:  # nothing to drop: every visible key is kept
         return visible
