@@ -189,7 +189,9 @@ def run_bench(
         raise UserError("the benchmark needs a draft (DFlash) as well as the target")
     if replay:
         check_replay(decoder.adaptive_widths, sampling)
-    block = int(decoder.proposer().block_size)  # tokens a round verifies (a DSpark draft's block + 1)
+    draft_config = getattr(decoder, "draft_config", None)
+    # tokens a round verifies: the block, or a DSpark draft's block and its anchor
+    block = int(decoder.block_size) + (1 if draft_config is not None and draft_config.dspark else 0)
     greedy = sampling.greedy
     rows: list[dict] = []
     summary: dict[str, dict] = {}
