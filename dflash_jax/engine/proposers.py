@@ -199,7 +199,8 @@ class DSparkProposer(DraftProposer):
             return sample(step_key, probs).astype(jnp.int32), probs
 
         chain = self.model.apply({"params": consts["params"]}, out.logits, out.hidden, anchor, choose,
-                                 None if sampling.greedy else key, method=DraftModel.dspark_chain)
+                                 None if sampling.greedy else key, self.confidence_threshold > 0,
+                                 method=DraftModel.dspark_chain)
         state = {"cache": out.cache}
         if self.confidence_threshold > 0:
             state["verify_limit"] = confident_prefix(chain.confidence, self.confidence_threshold)

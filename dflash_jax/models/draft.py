@@ -325,12 +325,13 @@ class DraftModel(nn.Module):
         return bias, conf
 
     def dspark_chain(self, logits: jax.Array, hidden: jax.Array, anchor: jax.Array, choose: Choose,
-                     key: jax.Array | None = None) -> Chain:
+                     key: jax.Array | None = None, confidence: bool = True) -> Chain:
         """DSpark: draft the block left to right through the Markov head (``dspark.markov_chain``) from a
-        forward's ``logits [B, K, V]`` and ``hidden [B, K, H]``."""
+        forward's ``logits [B, K, V]`` and ``hidden [B, K, H]``; ``confidence`` False skips the confidence head
+        (a round without a threshold never reads it)."""
         weights = None if self.markov_head is None else self.markov_head.weights()
-        return markov_chain(weights, self.confidence_head, self.config.confidence_with_markov, logits, hidden,
-                            anchor, choose, key)
+        return markov_chain(weights, self.confidence_head if confidence else None,
+                            self.config.confidence_with_markov, logits, hidden, anchor, choose, key)
 
     def select(self, logits: jax.Array, hidden: jax.Array, anchor: jax.Array, temperature: float = 0.0,
                key: jax.Array | None = None):
