@@ -1,6 +1,8 @@
-"""Training examples read from JSONL files in the layouts people actually have, normalised to two types.
+"""Training examples in the layouts people actually have, normalised to two types.
 
-Layouts (one JSON object per line, ``.gz`` allowed; blank lines ignored; unknown extra keys ignored):
+Rows come from JSONL, JSON-array, Parquet and Arrow files, directories, globs and Hub datasets
+(:mod:`dflash_jax.data.sources`). Layouts (one object per row, for JSONL one per line, ``.gz`` allowed; blank
+lines ignored; unknown extra keys ignored):
 
 - ``{"messages": [{"role": ..., "content": ...}, ...]}`` (OpenAI / Hugging Face chat; an assistant message's
   ``thinking``, the field gpt-oss's template renders as its analysis channel, is kept)
@@ -14,7 +16,8 @@ Layouts (one JSON object per line, ``.gz`` allowed; blank lines ignored; unknown
   trained.
 
 The first three become a :class:`Conversation`, the last a :class:`PlainText`. A malformed row is skipped and
-reported as ``path:line: reason`` in :attr:`ReadStats.warnings`, so one bad line in a million does not stop a
+reported as ``path:line: reason`` (``path:row: reason`` for a row of a JSON array, Parquet or Arrow file) in
+:attr:`ReadStats.warnings`, so one bad line in a million does not stop a
 run; a file without a single usable row is a :class:`DataError`. A directory is read file by file in name
 order, which is how a regeneration's output (``shard-00000.jsonl``, ...) is read back for training.
 """
@@ -22,11 +25,9 @@ order, which is how a regeneration's output (``shard-00000.jsonl``, ...) is read
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
-import zlib
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Union
 
 from dflash_jax.errors import UserError
 
@@ -71,7 +72,7 @@ Example = Union[Conversation, PlainText]
 
 @dataclasses.dataclass
 class ReadStats:
-    read: int = 0  # non-blank lines
+    read: int = 0  # rows (non-blank lines of a JSONL file)
     skipped: int = 0  # malformed rows, each with a warning
     unfinished: int = 0  # regenerated rows with "finished": false, left out on request
     warnings: list[str] = dataclasses.field(default_factory=list)
@@ -166,59 +167,38 @@ def example_to_row(example: Example) -> dict:
     return {"prompt": example.prompt, "text": example.text} if example.prompt else {"text": example.text}
 
 
-def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, raw bytes) of every line, streamed: a dataset may not fit comfortably in memory twice."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as f:
-            yield from enumerate(f, start=1)
-    except (OSError, EOFError, zlib.error) as e:  # includes a truncated, corrupt or non-gzip .gz file
-        raise DataError(f"{path}: cannot read ({e})") from None
+def data_files(path: str | Path) -> list[Path]:
+    """The data files of a source (a file, a directory, a glob or ``hf:ORG/NAME[:CONFIG[:SPLIT]]``; see
+    :mod:`dflash_jax.data.sources`)."""
+    from dflash_jax.data.sources import resolve_source
+
+    return list(resolve_source(path).files)
 
 
-def data_files(path: Path) -> list[Path]:
-    """The JSONL files of ``path``: the file itself, or a directory's ``*.jsonl`` / ``*.jsonl.gz`` in name
-    order. A regeneration output directory must be complete: a missing shard would silently drop data."""
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise DataError(f"{path}: data file not found")
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
-    settings_path = path / REGENERATE_SETTINGS
-    if settings_path.is_file():
-        try:
-            settings = json.loads(settings_path.read_text(encoding="utf-8"))
-            expected = -(-int(settings["num_examples"]) // int(settings["shard_size"]))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise DataError(f"{settings_path}: cannot read ({type(e).__name__}: {e})") from None
-        missing = [shard_path(path, k).name for k in range(expected) if not shard_path(path, k).is_file()]
-        if missing:
-            raise DataError(f"{path}: the regeneration is incomplete ({len(missing)} of {expected} shards missing, "
-                            f"first {missing[0]}); rerun the same regenerate command to finish it")
-    if not files:
-        raise DataError(f"{path}: no .jsonl or .jsonl.gz files in the directory")
-    return files
-
-
-def read_examples(path: str | Path, limit: int | None = None, drop_unfinished: bool = False
+def read_examples(path: str | Path, limit: int | None = None, drop_unfinished: bool = False,
+                  columns: dict[str, str] | str | None = None, files: list[Path] | None = None
                   ) -> tuple[list[Example], ReadStats]:
-    """All usable examples of a JSONL file, or of every JSONL file of a directory such as a regeneration's
-    output (the first ``limit`` if given), and what was skipped and why. ``drop_unfinished`` leaves out the
-    rows a regeneration marked ``"finished": false`` (an answer cut at max_new_tokens)."""
-    path = Path(path)
+    """All usable examples of a source (a JSONL, JSON-array, Parquet or Arrow file, a directory such as a
+    regeneration's output, a glob, or a Hub dataset ``hf:ORG/NAME[:CONFIG[:SPLIT]]``; see
+    :mod:`dflash_jax.data.sources`), the first ``limit`` if given, and what was skipped and why.
+    ``drop_unfinished`` leaves out the rows a regeneration marked ``"finished": false`` (an answer cut at
+    max_new_tokens). ``columns`` renames columns to layout fields (``prompt=instruction,response=output``).
+    ``files``: the source's files when already resolved."""
+    from dflash_jax.data.sources import parse_columns, source_rows
+
+    mapping = parse_columns(columns)
     examples: list[Example] = []
     stats = ReadStats()
-    for file in data_files(path):
+    for file in data_files(path) if files is None else files:
         if limit is not None and len(examples) >= limit:
             break
-        for lineno, raw in _lines(file):
+        for number, row in source_rows(Path(file), mapping):
             if limit is not None and len(examples) >= limit:
                 break
-            if not raw.strip():
-                continue
             stats.read += 1
             try:
-                row = _json_row(raw)
+                if isinstance(row, RowError):
+                    raise row
                 example = parse_row(row)
                 if drop_unfinished and row.get("finished") is False:
                     stats.unfinished += 1
@@ -226,22 +206,13 @@ def read_examples(path: str | Path, limit: int | None = None, drop_unfinished: b
                 examples.append(example)
             except RowError as e:
                 stats.skipped += 1
-                stats.warnings.append(f"{file}:{lineno}: {e}")
+                stats.warnings.append(f"{file}:{number}: {e}")
     if not examples:
         detail = f" ({stats.skipped} malformed, first: {stats.warnings[0]})" if stats.warnings else ""
         if stats.unfinished:
             detail += f" ({stats.unfinished} unfinished rows left out: drop_unfinished)"
         raise DataError(f"{path}: no usable rows{detail}")
     return examples, stats
-
-
-def _json_row(raw: bytes) -> Any:
-    try:
-        return json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise RowError(f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise RowError(f"not valid JSON ({e.msg} at column {e.colno})") from None
 
 
 def shard_path(out_dir: Path, index: int) -> Path:
