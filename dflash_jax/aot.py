@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.errors import UserError
-from dflash_jax.training.plan import per_device_bytes
 
 GIB = 2**30
 
@@ -204,6 +203,17 @@ def fused_kernels(hlo_text: str) -> dict[str, int]:
             if target.startswith(prefix):
                 found[name] = found.get(name, 0) + 1
     return found
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded (abstract) arrays: the largest shard of each leaf (here, not
+    in the trainer's plan, which reports the same figure for a train step: a decode plan needs no trainer)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(leaf.shape)
+        shard = leaf.sharding.shard_shape(shape) if getattr(leaf, "sharding", None) is not None else shape
+        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+    return int(total)
 
 
 def abstract(tree: Any, shardings: Any) -> Any:

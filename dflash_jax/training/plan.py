@@ -37,6 +37,7 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh
 
 from dflash_jax import sharding
+from dflash_jax.aot import compile_target, fused_kernels, per_device_bytes
 from dflash_jax.checkpoints.hf_target import abstract_target_params
 from dflash_jax.checkpoints.official_draft import abstract_draft_params
 from dflash_jax.errors import UserError
@@ -48,16 +49,6 @@ from dflash_jax.models.target import TargetModel
 from dflash_jax.platform import compiling_for
 from dflash_jax.training.checkpointing import abstract_like
 from dflash_jax.training.step import StepConfig, init_train_state, make_train_step
-
-
-def per_device_bytes(tree: Any) -> int:
-    """Bytes one device holds of a tree of sharded (abstract) arrays: the largest shard of each leaf."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = tuple(leaf.shape)
-        shard = leaf.sharding.shard_shape(shape) if getattr(leaf, "sharding", None) is not None else shape
-        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
-    return int(total)
 
 
 def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> tuple[dict, dict]:
@@ -143,8 +134,6 @@ def compile_devices(spec: Any, device: str):
     ``data: -1``) takes the rest of them; on a bare device name (``h200``, ``v5p``) a ``-1`` axis is 1, the
     smallest mesh with the fixed axes, and no spec at all is one device. ``local`` (this process's own
     devices) is the exception: they exist, so the mesh covers them as ``train fit``'s does."""
-    from dflash_jax.aot import compile_target
-
     chips = _topology_chips(device)
     if device == "local":  # real devices: the mesh covers them all, as 'train fit' makes it
         sizes = sharding.parse_mesh(spec, len(jax.local_devices()))
@@ -265,8 +254,6 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
         dropped = max(0, inputs - args)  # exact where arrays are not padded (CPU, GPU)
     extra = {}
     if target is not None:
-        from dflash_jax.aot import fused_kernels
-
         extra = {"device": target.name, "device_memory_bytes": target.memory_bytes,
                  "fused_kernels": fused_kernels(compiled.as_text())}
     return {
