@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog=PROG,
         description=textwrap.dedent("""\
-            Answer every prompt of a JSONL file with the target (its own outputs are what the draft learns).
+            Answer every prompt of a data source with the target (its own outputs are what the draft learns).
+            Sources: JSONL, JSON-array, Parquet or Arrow files, directories, globs, hf:ORG/NAME[:CONFIG[:SPLIT]].
             Input rows: {"messages": [...]}, ShareGPT {"conversations": [...]}, {"prompt"/"instruction"/
             "question": ..., optional "response"/"output"/...}, or {"text": ..., optional "prompt": ...}.
             Each user turn is answered in order (a later turn follows the target's own earlier answer); answers
@@ -47,8 +48,15 @@ def build_parser() -> argparse.ArgumentParser:
         if "--ckpt" in action.option_strings:
             action.help = ("optional DFlash draft (official directory, Orbax or Hub id): generates faster; the "
                            "answers have the target's distribution either way")
-    parser.add_argument("--data", required=True, metavar="FILE",
-                        help="the prompts: a JSONL file (.gz ok); malformed rows are skipped with a warning")
+    parser.add_argument("--data", required=True, metavar="SOURCE",
+                        help="the prompts: a .jsonl/.jsonl.gz, .json (one array), .parquet or .arrow file, a "
+                             "directory or glob of them, or a Hugging Face Hub dataset hf:ORG/NAME[:CONFIG[:SPLIT]] "
+                             "(its Parquet files through the Hugging Face cache; HF_HUB_OFFLINE=1 reads the cache "
+                             "alone); malformed rows are skipped with a 'file:row: reason' warning")
+    parser.add_argument("--columns", metavar="FIELD=COLUMN,...",
+                        help="read these columns as the layout's fields, e.g. prompt=instruction,response=output "
+                             "(fields: messages, conversations, prompt, response, system, input, text; default: "
+                             "columns are recognised by name)")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="output directory (created); rerun into the same directory to resume")
     parser.add_argument("--batch-size", type=int, metavar="N",
@@ -175,7 +183,7 @@ def regenerate_main(args: argparse.Namespace) -> int:
     elif args.chat_template_kwargs is not None or args.extra_body is not None:
         raise UsageError("--chat-template-kwargs and --extra-body go with --server (without it, --thinking sets "
                          "the template's enable_thinking)")
-    examples, read_stats = read_examples(Path(args.data), limit=args.limit)
+    examples, read_stats = read_examples(args.data, limit=args.limit, columns=args.columns)
     examples = examples * args.repeat  # the whole file N times, so shards stay contiguous ranges of it
     print_warnings(read_stats.warnings)
     unanswered = []

@@ -44,10 +44,12 @@ def write_prompts(path: str | Path, prompts: list[str]) -> None:
         f.write("".join(json.dumps({"prompt": p}) + "\n" for p in prompts).encode())
 
 
-def make_opening_prompts(source: str | Path, out_dir: str | Path, held_out: int, seed: int = 0) -> dict:
-    """Read regenerated openings from ``source`` (a file or a regenerate output directory) and write
-    ``train-openings.jsonl`` and ``heldout.jsonl`` into ``out_dir``."""
-    examples, stats = read_examples(source)
+def make_opening_prompts(source: str | Path, out_dir: str | Path, held_out: int, seed: int = 0,
+                         columns: str | dict | None = None) -> dict:
+    """Read regenerated openings from ``source`` (a regenerate output directory or any source of
+    :mod:`dflash_jax.data.sources`, ``columns`` renamed) and write ``train-openings.jsonl`` and ``heldout.jsonl``
+    into ``out_dir``."""
+    examples, stats = read_examples(source, columns=columns)
     train, held = split_openings([opening_text(e) for e in examples], held_out, seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

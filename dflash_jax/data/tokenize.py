@@ -375,18 +375,35 @@ class TokenizedData:
             raise DataError(f"{path}: {e}") from None
 
 
-def tokenize_examples(tokenizer: Any, examples: Sequence[Example], max_length: int, use_chat_template: bool = True,
-                      progress: bool = False, enable_thinking: bool = False, source: str | Path = "the data",
-                      chunk_size: int = 1024) -> TokenizedData:
-    """Encode every example (as :func:`encode_example`) into padded arrays. Rows without a trained token (a
-    prompt without an answer, or an answer cut off by ``max_length``) are dropped and counted. Spans are
-    tokenised a chunk of examples at a time: one batched call to a fast tokenizer runs in parallel in Rust."""
+# Names the rule that turns examples into ids and loss masks (the span layout of this module's docstring). The
+# tokenized cache (dflash_jax/data/token_cache.py) keys on it: change it whenever that rule changes.
+LOSS_MASK_RULE = "spans-v1: untrained prompts, trained answers + end-of-turn, position 0 untrained"
+
+
+@dataclasses.dataclass
+class EncodedRow:
+    """One example encoded: its (possibly cut) ids and loss mask, and how long it was before the cut."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    full_length: int
+
+    @property
+    def truncated(self) -> bool:
+        return self.full_length > len(self.ids)
+
+
+def encode_examples(tokenizer: Any, examples: Sequence[Example], max_length: int, use_chat_template: bool = True,
+                    progress: bool = False, enable_thinking: bool = False, source: str | Path = "the data",
+                    chunk_size: int = 1024) -> list[EncodedRow]:
+    """Every example encoded as :func:`encode_example`, one :class:`EncodedRow` per example (rows without a
+    trained token included: callers decide). Spans are tokenised a chunk of examples at a time: one batched
+    call to a fast tokenizer runs in parallel in Rust."""
     from tqdm import tqdm
 
     _check_max_length(max_length)
     renderer = SpanRenderer.for_tokenizer(tokenizer, use_chat_template, enable_thinking)
-    rows: list[tuple[np.ndarray, np.ndarray]] = []
-    num_truncated = num_without_targets = 0
+    out: list[EncodedRow] = []
     with tqdm(total=len(examples), desc="tokenize", unit="ex", disable=not progress, file=sys.stderr) as bar:
         for start in range(0, len(examples), chunk_size):
             chunk = examples[start: start + chunk_size]
@@ -399,15 +416,27 @@ def tokenize_examples(tokenizer: Any, examples: Sequence[Example], max_length: i
             all_pieces = tokenize_spans(tokenizer, [spans for _, spans in rendered],
                                         joint=not renderer.use_chat_template)
             for (prefix, spans), pieces in zip(rendered, all_pieces):
-                row_ids, mask, truncated = assemble(prefix, pieces, [t for _, t in spans], max_length)
-                if not mask.any():
-                    num_without_targets += 1
-                    continue
-                num_truncated += truncated
-                rows.append((row_ids, mask))
+                row_ids, mask, _ = assemble(prefix, pieces, [t for _, t in spans], max_length)
+                out.append(EncodedRow(row_ids, mask, len(prefix) + sum(len(p) for p in pieces)))
             bar.update(len(chunk))
+    return out
+
+
+def no_targets_error(source: str | Path, num_examples: int) -> DataError:
+    return DataError(f"{source}: none of the {num_examples} examples has a token to train on (every row is a "
+                     "prompt without an answer, or its answer starts after max_length); regenerate answers "
+                     "first or raise max_length")
+
+
+def tokenize_examples(tokenizer: Any, examples: Sequence[Example], max_length: int, use_chat_template: bool = True,
+                      progress: bool = False, enable_thinking: bool = False, source: str | Path = "the data",
+                      chunk_size: int = 1024) -> TokenizedData:
+    """Encode every example (as :func:`encode_example`) into padded arrays. Rows without a trained token (a
+    prompt without an answer, or an answer cut off by ``max_length``) are dropped and counted."""
+    encoded = encode_examples(tokenizer, examples, max_length, use_chat_template, progress, enable_thinking,
+                              source, chunk_size)
+    rows = [(row.ids, row.mask) for row in encoded if row.mask.any()]
     if not rows:
-        raise DataError(f"{source}: none of the {len(examples)} examples has a token to train on (every row is a "
-                        "prompt without an answer, or its answer starts after max_length); regenerate answers "
-                        "first or raise max_length")
-    return TokenizedData.from_rows(rows, max_length, num_truncated, num_without_targets)
+        raise no_targets_error(source, len(examples))
+    num_truncated = sum(row.truncated for row in encoded if row.mask.any())
+    return TokenizedData.from_rows(rows, max_length, num_truncated, len(encoded) - len(rows))

@@ -70,7 +70,29 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
         "init_std": (0.02, (float, int), "std of the normal init of new linear weights (HF initializer_range)"),
     },
     "data": {
-        "train": (REQUIRED, (str, list), "training JSONL file(s): conversations, prompt/response or text rows"),
+        "train": (None, (str, list), "training data, one source or a list of them read one after the other: "
+                                     "a .jsonl/.jsonl.gz, .json (one array), .parquet or .arrow file, a directory "
+                                     "or glob of them, or a Hub dataset hf:ORG/NAME[:CONFIG[:SPLIT]]; rows are "
+                                     "conversations, prompt/response or text (give data.train or data.sources)"),
+        "sources": (None, (list,), "a mixture instead of data.train: a list of sources, each a source string or "
+                                   "{path: SOURCE, weight: W, max_samples: N, columns: 'prompt=instruction,...'}; "
+                                   "with weights (on every source or none) each row of the mixture is drawn from a "
+                                   "source with probability weight/sum, a small source repeating; without them the "
+                                   "sources' rows follow each other. Per-source counts go to "
+                                   "output.dir/source_counts.json"),
+        "limit": (None, (int,), "rows in the mixture (default: every row after the filters; with weights the "
+                                "weighted draw makes this many)"),
+        "dedup": (None, (bool,), "drop a row whose turns equal an earlier row's, across sources, first source "
+                                 "first (default: true with data.sources, false with data.train)"),
+        "min_length": (None, (int,), "drop rows of fewer tokens than this (after tokenization)"),
+        "drop_truncated": (False, (bool,), "drop rows longer than data.max_length instead of cutting them"),
+        "seed": (None, (int,), "seed of the mixture's draws: max_samples subsets, limit, weights (default: "
+                               "train.seed)"),
+        "cache": (True, (bool,), "keep each source's tokenized rows in data.cache_dir, keyed by the source's "
+                                 "files (sizes, mtimes, Hub commit), the tokenizer, chat template, max_length and "
+                                 "the loss-mask rule: a second run with the same inputs skips tokenizing"),
+        "cache_dir": (None, (str,), "the tokenized cache's directory (default: $DFLASH_JAX_DATA_CACHE, "
+                                    "else $XDG_CACHE_HOME or ~/.cache, then dflash_jax/tokenized)"),
         "max_length": (3072, (int,), "tokens per sequence; longer rows are truncated (counted)"),
         "use_chat_template": (True, (bool,), "render conversations with the tokenizer's chat template"),
         "enable_thinking": (False, (bool,), "Qwen3 thinking in the template (as 'train regenerate --thinking')"),
@@ -147,12 +169,13 @@ SCHEMA: dict[str, dict[str, tuple[Any, tuple[type, ...], str]]] = {
 
 POSITIVE = {"draft.num_layers", "draft.block_size", "draft.intermediate_size", "draft.num_attention_heads",
             "draft.num_key_value_heads", "draft.head_dim", "draft.conv_kernel_size", "draft.conv_group_size",
-            "draft.selector_rank", "draft.selector_top_k", "data.max_length", "train.epochs",
+            "draft.selector_rank", "draft.selector_top_k", "data.max_length", "data.limit", "data.min_length",
+            "train.epochs",
             "train.max_steps", "train.global_batch", "train.accum_steps", "train.num_anchors", "train.anchor_chunk",
             "train.gamma", "train.kl_temperature", "train.learning_rate", "train.prefix_base", "train.prefix_min",
             "train.prefix_max", "train.muon_learning_rate", "train.clip_norm", "output.save_every", "output.keep",
             "output.log_every", "output.eval_num_prompts", "output.eval_max_new_tokens", "draft.init_std"}
-NON_NEGATIVE = {"train.selector_weight", "train.warmup_ratio", "train.min_lr_ratio", "train.weight_decay", "output.eval_every", "train.seed"}
+NON_NEGATIVE = {"data.seed", "train.selector_weight", "train.warmup_ratio", "train.min_lr_ratio", "train.weight_decay", "output.eval_every", "train.seed"}
 
 
 def _type_name(types: tuple[type, ...]) -> str:
@@ -167,8 +190,8 @@ def _check_value(dotted: str, value: Any, types: tuple[type, ...], source: str) 
         raise ConfigError(f"{source}: {dotted} must be {'an' if name[0] in 'aeiou' else 'a'} {name}, got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{source}: {dotted} must be a finite number, got {value!r}")
-    if dotted == "train.seed" and value >= 2**32:
-        raise ConfigError(f"{source}: train.seed must be below 2**32, got {value!r}")
+    if dotted in ("train.seed", "data.seed") and value >= 2**32:
+        raise ConfigError(f"{source}: {dotted} must be below 2**32, got {value!r}")
     if dotted in POSITIVE and value <= 0:
         raise ConfigError(f"{source}: {dotted} must be positive, got {value!r}")
     if dotted in NON_NEGATIVE and value < 0:
@@ -270,6 +293,7 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
     train_files = out["data"]["train"]
     if isinstance(train_files, list) and (not train_files or not all(isinstance(f, str) for f in train_files)):
         raise ConfigError(f"{source}: data.train must be a file name or a non-empty list of file names")
+    _check_sources(out["data"], source)
     ids = out["draft"]["target_layer_ids"]
     if ids is not None and (not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
         raise ConfigError(f"{source}: draft.target_layer_ids must be a non-empty list of integers, got {ids!r}")
@@ -281,6 +305,59 @@ def parse_run_config(raw: Any, source: str = "run config") -> dict[str, dict[str
             raise ConfigError(f"{source}: {section}.{key} needs {section}.{of} (the Hugging Face Hub id it is a "
                               "revision of)")
     return out
+
+
+SOURCE_KEYS = ("path", "weight", "max_samples", "columns")
+
+
+def _check_sources(data: dict, source: str) -> None:
+    """data.train or data.sources (one of them); each source normalised to ``{path, weight, max_samples,
+    columns}``. data.train is then set to the sources' paths: code that reads data.train for the data's
+    origin (the thinking mode of a regeneration directory) sees every source."""
+    sources = data["sources"]
+    if sources is None:
+        if data["train"] is None:
+            raise ConfigError(f"{source}: give data.train (a source or a list of them) or data.sources (a mixture)")
+        return
+    if not sources:
+        raise ConfigError(f"{source}: data.sources must be a non-empty list")
+    from dflash_jax.data.sources import parse_columns
+    from dflash_jax.errors import UserError
+
+    normalised = []
+    for index, entry in enumerate(sources):
+        where = f"{source}: data.sources[{index}]"
+        entry = {"path": entry} if isinstance(entry, str) else entry
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where} must be a source string or a mapping with a path, got {entry!r}")
+        unknown = sorted(set(entry) - set(SOURCE_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(SOURCE_KEYS)})")
+        path, weight, max_samples = entry.get("path"), entry.get("weight"), entry.get("max_samples")
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(f"{where}: path must be a non-empty string (a file, directory, glob or "
+                              f"hf:ORG/NAME[:CONFIG[:SPLIT]]), got {path!r}")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                                   or not math.isfinite(weight) or weight <= 0):
+            raise ConfigError(f"{where} ({path}): weight must be a positive number, got {weight!r}")
+        if max_samples is not None and (isinstance(max_samples, bool) or not isinstance(max_samples, int)
+                                        or max_samples < 1):
+            raise ConfigError(f"{where} ({path}): max_samples must be a positive integer, got {max_samples!r}")
+        try:
+            columns = parse_columns(entry.get("columns"), f"{where} ({path}): columns")
+        except UserError as e:
+            raise ConfigError(str(e)) from None
+        normalised.append({"path": path, "weight": weight, "max_samples": max_samples, "columns": columns})
+    weighted = [s["weight"] is not None for s in normalised]
+    if any(weighted) and not all(weighted):
+        missing = normalised[weighted.index(False)]["path"]
+        raise ConfigError(f"{source}: data.sources: give every source a weight or none ({missing} has none)")
+    paths = [s["path"] for s in normalised]
+    if data["train"] is not None and data["train"] != paths:  # (a parsed config, parsed again, has both)
+        raise ConfigError(f"{source}: give data.train (a source or a list of them) or data.sources (a mixture), "
+                          "not both")
+    data["sources"] = normalised
+    data["train"] = paths
 
 
 def apply_overrides(raw: dict, overrides: list[str], source: str = "--set") -> dict:
