@@ -40,7 +40,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.models.config import ConfigError
+from dflash_jax.models.config_fields import ConfigError
 from dflash_jax.models.layers import apply_rope_interleaved, write_rows
 
 FULL, SHARED = "full", "shared"

@@ -19,7 +19,7 @@ from dflash_jax.errors import UserError
 from dflash_jax.models.attention_kernels import (
     Segment, active_kernel, fallback_kernel, fused_attention, group_queries, group_sinks, ungroup_queries,
 )
-from dflash_jax.models.config import RopeConfig
+from dflash_jax.models.config_fields import RopeConfig
 
 Dtype = Any
 
