@@ -20,7 +20,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
 
-from dflash_jax.errors import UserError
+from dflash_jax.checkpoints import quantized
+from dflash_jax.checkpoints.errors import CheckpointError  # noqa: F401  (re-exported: imported from here)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -29,10 +30,6 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
 DTYPE_NAMES = {"float32": "F32", "float64": "F64", "float16": "F16", "bfloat16": "BF16"}
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be loaded as asked; the message names the file and the key."""
 
 
 def param_path_to_key(path: tuple[str, ...]) -> tuple[str, bool]:
@@ -105,8 +102,6 @@ class SafetensorsDir:
     def _read_quantization(self) -> None:
         """``config.json``'s ``quantization_config`` (``checkpoints/quantized``): FP8 weights are dequantised
         by ``get``; compressed-tensors INT4 weights appear under their float name ``<m>.weight``."""
-        from dflash_jax.checkpoints import quantized
-
         self.quantization = quantized.scheme_of_dir(self.path)
         if isinstance(self.quantization, quantized.Int4Scheme):
             for weight, packed in quantized.virtual_int4_keys(list(self.key_to_file)).items():
@@ -161,16 +156,12 @@ class SafetensorsDir:
         """Whether ``get(key)`` dequantises (an FP8 weight, or a packed INT4 one under its float name)."""
         if key in self._int4:
             return True
-        from dflash_jax.checkpoints import quantized
-
         return (isinstance(self.quantization, quantized.Fp8Scheme)
                 and self.stored_dtype_name(key) in quantized.FP8_WEIGHT_DTYPES)
 
     def get(self, key: str) -> np.ndarray:
         """The tensor ``key``; a quantised weight comes dequantised, as ``dequantize_dtype``."""
         if self.quantization is not None and self.is_quantized(key):
-            from dflash_jax.checkpoints import quantized
-
             if key in self._int4:
                 return quantized.dequantize_int4(self, key, self.quantization, self.dequantize_dtype)
             return quantized.dequantize_fp8(self, key, self.quantization, self.dequantize_dtype)
@@ -226,8 +217,6 @@ class SafetensorsDir:
     def shape(self, key: str) -> tuple[int, ...]:
         """The shape of ``get(key)`` (a packed INT4 weight's from its ``weight_shape``)."""
         if key in self._int4:
-            from dflash_jax.checkpoints import quantized
-
             return quantized.int4_weight_shape(self, key)
         return self.stored_shape(key)
 
