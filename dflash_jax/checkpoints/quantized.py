@@ -68,6 +68,9 @@ width, type or strategy, asymmetric quantisation (zero points), activation
 ordering with a group index, several differing weight schemes, another FP8 encoding. A weight whose scale is
 missing or whose scale grid does not match its shape is one error naming the file and the tensor.
 
+The ``quantization_config`` itself is read in ``models/quantization_schemes`` (a target's config holds its
+scheme, and models do not import checkpoints); this module decodes the tensors it describes.
+
 The library stays importable without torch: numpy (and ml_dtypes, a jax dependency) only.
 """
 
@@ -81,9 +84,8 @@ import numpy as np
 
 from dflash_jax.checkpoints.errors import CheckpointError
 from dflash_jax.models import quantization_schemes
-from dflash_jax.models.quantization_schemes import (  # noqa: F401  (re-exported: read here by the loaders)
-    COMPRESSED_TENSORS, FLOAT_QUANTIZED, FP8_METHOD, PACK_QUANTIZED, Fp8Scheme, Int4Scheme, Scheme,
-    UnsupportedScheme, quantization_config_of,
+from dflash_jax.models.quantization_schemes import (  # noqa: F401  (re-exported: the loaders read them here)
+    Fp8Scheme, Int4Scheme, Scheme, UnsupportedScheme, quantization_config_of,
 )
 
 #: Stored dtypes whose tensors are FP8 weight codes.

@@ -31,8 +31,9 @@ from dflash_jax.models.families import (  # noqa: F401  (re-exported)
     ARCHITECTURES, FAMILIES, NESTED_TEXT_CONFIGS, SUPPORTED_MODEL_TYPES,
 )
 from dflash_jax.models.families.muse_glimmer import MUSE_GLIMMER_TEXT  # noqa: F401  (re-exported)
-from dflash_jax.models.quantization_schemes import QuantizationConfigError, UnsupportedScheme, parse_scheme, \
-    quantization_config_of
+from dflash_jax.models.quantization_schemes import (
+    QuantizationConfigError, UnsupportedScheme, parse_scheme, quantization_config_of,
+)
 
 
 class TargetConfig(TargetFields):

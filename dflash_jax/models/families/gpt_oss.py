@@ -8,8 +8,9 @@ from typing import Any, Mapping
 from dflash_jax.models.config_fields import (
     ConfigError, ExpertsConfig, TargetFields, float_field, int_field, require, rope_to_hf,
 )
-from dflash_jax.models.families.common import FULL, SLIDING, num_experts, sliding_layer_types, top_k, windows, \
-    windows_to_hf
+from dflash_jax.models.families.common import (
+    FULL, SLIDING, num_experts, sliding_layer_types, top_k, windows, windows_to_hf,
+)
 
 
 def read(cfg: Mapping[str, Any], source: str, num_layers: int) -> dict[str, Any]:
