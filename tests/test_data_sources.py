@@ -206,3 +206,19 @@ def test_hub_dataset_read_offline_from_the_cache(offline_hub, tmp_path):
         with pytest.raises(DataError, match=message) as err:
             read_examples(spec)
         assert spec in str(err.value)
+
+
+def test_openings_command_reads_any_source(tmp_path, capsys):
+    """'train openings --from' takes the same sources (here a Parquet file with its own column names)."""
+    from train.openings import main
+
+    stories = [{"story": f"Once there was a fox number {i} who ran."} for i in range(12)]
+    path = write_parquet(tmp_path / "openings.parquet", stories)
+    assert main(["--from", str(path), "--columns", "text=story", "--out", str(tmp_path / "out"),
+                 "--held-out", "3"]) == 0
+    held = [json.loads(line)["prompt"] for line in (tmp_path / "out" / "heldout.jsonl").read_text().splitlines()]
+    train = (tmp_path / "out" / "train-openings.jsonl").read_text().splitlines()
+    assert len(held) == 3 and len(train) == 9 and all(h.startswith("Once there was a fox") for h in held)
+    assert "12 openings read" in capsys.readouterr().out
+    assert main(["--from", str(path), "--columns", "text=title", "--out", str(tmp_path / "o2")]) == 2
+    assert "no column 'title'" in capsys.readouterr().err

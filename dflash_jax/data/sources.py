@@ -215,6 +215,7 @@ def resolve_hub_source(spec: str) -> ResolvedSource:
     """A Hub dataset's files for one config and split, from huggingface_hub's cache (fetched first when online).
     Offline the cached snapshot of ``main`` is listed; online the repository's file list is asked for, and only
     the chosen files are downloaded."""
+    import httpx
     from huggingface_hub import HfApi, constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError, HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError,
@@ -243,10 +244,14 @@ def resolve_hub_source(spec: str) -> ResolvedSource:
     except RepositoryNotFoundError:
         raise DataError(f"{spec}: no Hugging Face Hub dataset {repo} (a private one needs 'hf auth login' or "
                         "HF_TOKEN)") from None
-    except LocalEntryNotFoundError:
-        raise DataError(f"{spec}: the dataset is not in the Hugging Face cache {cache} while HF_HUB_OFFLINE is set; "
-                        "download it once with network access (or unset HF_HUB_OFFLINE)") from None
-    except (HfHubHTTPError, OSError) as e:
+    except LocalEntryNotFoundError as e:
+        if offline:
+            raise DataError(f"{spec}: the dataset is not in the Hugging Face cache {cache} while HF_HUB_OFFLINE is "
+                            "set; download it once with network access (or unset HF_HUB_OFFLINE)") from None
+        cause = e.__cause__ or e
+        raise DataError(f"{spec}: the dataset is not in the Hugging Face cache {cache} and the Hub cannot be reached "
+                        f"({type(cause).__name__}: {cause})") from None
+    except (HfHubHTTPError, httpx.HTTPError, OSError) as e:  # a server error, a lost connection, a full disk
         raise DataError(f"{spec}: cannot fetch the dataset into {cache} ({type(e).__name__}: {e})") from None
     files = tuple(snapshot / r for r in chosen)
     missing = [f for f in files if not f.is_file()]
