@@ -134,8 +134,10 @@ def test_bad_inputs_give_one_clear_error(tmp_path):
     not_array.write_text('{"conversations": []}')
     arrow = tmp_path / "bad.arrow"
     arrow.write_bytes(b"\x00" * 40)
+    unknown = write_parquet(tmp_path / "unknown.parquet", [{"id": 1, "body": "x"}])
     cases = [
         (lambda: read_examples(corrupt), [str(corrupt), "not a readable Parquet file"]),
+        (lambda: read_examples(unknown), [str(unknown), "no column of a known layout", "(id, body)", "--columns"]),
         (lambda: read_examples(arrow), [str(arrow), "not a readable Arrow IPC file"]),
         (lambda: read_examples(good, columns="prompt=instruction"), [str(good), "no column 'instruction'",
                                                                      "prompt_id"]),

@@ -301,17 +301,17 @@ def _json_array_rows(path: Path) -> Iterator[tuple[int, Any]]:
     yield from enumerate(value, start=1)
 
 
-def _record_batches(path: Path, columns: list[str] | None) -> Iterator[Any]:
-    """pyarrow record batches of a Parquet or Arrow IPC file, only ``columns`` (all when None); a corrupt
-    file or a missing column is a :class:`DataError` naming the file."""
+def _record_batches(path: Path, columns: Mapping[str, str]) -> Iterator[Any]:
+    """pyarrow record batches of a Parquet or Arrow IPC file, only the columns the rows need; a corrupt file or
+    a missing column is a :class:`DataError` naming the file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         if path.name.endswith(".parquet"):
             parquet = pq.ParquetFile(path)
-            _check_columns(path, parquet.schema_arrow.names, columns)
-            yield from parquet.iter_batches(batch_size=RECORD_BATCH_ROWS, columns=columns)
+            wanted = _wanted_columns(path, parquet.schema_arrow.names, columns)
+            yield from parquet.iter_batches(batch_size=RECORD_BATCH_ROWS, columns=wanted)
             return
         with pa.memory_map(str(path)) as source:
             try:
@@ -321,9 +321,9 @@ def _record_batches(path: Path, columns: list[str] | None) -> Iterator[Any]:
                 source.seek(0)
                 reader = pa.ipc.open_stream(source)
                 batches = iter(reader)
-            _check_columns(path, reader.schema.names, columns)
+            wanted = _wanted_columns(path, reader.schema.names, columns)
             for batch in batches:
-                yield batch.select(columns) if columns else batch
+                yield batch.select(wanted)
     except DataError:
         raise
     except (pa.ArrowException, OSError) as e:
@@ -331,18 +331,26 @@ def _record_batches(path: Path, columns: list[str] | None) -> Iterator[Any]:
         raise DataError(f"{path}: not a readable {kind} file ({type(e).__name__}: {e})") from None
 
 
-def _check_columns(path: Path, names: list[str], columns: list[str] | None) -> None:
-    missing = [c for c in columns or () if c not in names]
-    if missing:
-        raise DataError(f"{path}: no column {missing[0]!r} (columns: {', '.join(names)})")
+def _wanted_columns(path: Path, names: list[str], columns: Mapping[str, str]) -> list[str]:
+    """The mapped columns (each must exist), or else the columns a layout reads by name (at least one must
+    exist): a dataset's other columns (ids, scores, embeddings) are never turned into Python objects."""
+    if columns:
+        missing = [c for c in columns.values() if c not in names]
+        if missing:
+            raise DataError(f"{path}: no column {missing[0]!r} (columns: {', '.join(names)})")
+        return sorted(set(columns.values()) | ({"finished"} & set(names)))  # "finished": data.drop_unfinished
+    wanted = [n for n in names if n in LAYOUT_FIELDS or n == "finished"]
+    if not wanted:
+        raise DataError(f"{path}: no column of a known layout ({', '.join(LAYOUT_FIELDS)}) among its columns "
+                        f"({', '.join(names)}); map them with --columns (data.sources: columns), e.g. "
+                        "prompt=instruction,response=output")
+    return wanted
 
 
 def _columnar_rows(path: Path, columns: Mapping[str, str]) -> Iterator[tuple[int, Any]]:
-    """(1-based row number, row dict without nulls), a record batch at a time. With a column mapping only
-    the mapped columns are read (and each must exist); otherwise every column (the layout is found by name)."""
-    wanted = sorted(set(columns.values())) if columns else None
+    """(1-based row number, row dict without nulls), a record batch at a time."""
     number = 0
-    for batch in _record_batches(path, wanted):
+    for batch in _record_batches(path, columns):
         for row in batch.to_pylist():
             number += 1
             yield number, drop_nulls(row)
