@@ -145,6 +145,8 @@ def test_length_filters_max_samples_and_limit(three_sources, tokenizer):
     assert sum(c["selected"] for c in report["sources"]) == 20
     with pytest.raises(DataError, match="empty after filtering"):
         prepare_training_data(dataclasses.replace(plain, min_length=1000), tokenizer, log=lambda _: None)
+    with pytest.raises(DataError, match="none of the 75 examples has a token to train on"):
+        prepare_training_data(dataclasses.replace(plain, max_length=2), tokenizer, log=lambda _: None)
 
 
 def test_old_data_train_forms_give_their_old_rows(three_sources, tokenizer):

@@ -38,7 +38,7 @@ from dflash_jax.data.sources import parse_columns, resolve_source
 from dflash_jax.data.token_cache import (
     SourceRows, cache_key_digest, default_cache_dir, load_source_rows, save_source_rows, tokenizer_fingerprint,
 )
-from dflash_jax.data.tokenize import LOSS_MASK_RULE, TokenizedData, encode_examples
+from dflash_jax.data.tokenize import LOSS_MASK_RULE, TokenizedData, encode_examples, no_targets_error
 
 COUNTS_FILE = "source_counts.json"
 STAGE_MAX_SAMPLES, STAGE_LIMIT, STAGE_WEIGHTED, STAGE_REPEAT = 1, 2, 3, 4  # seed streams of the random draws
@@ -176,6 +176,8 @@ def mix(sources: Sequence[SourceConfig], rows: Sequence[SourceRows], settings: M
                        "without_targets": r.without_targets, "tokenized": n, "duplicates": n - after_dedup,
                        "after_dedup": after_dedup, "too_short": int(too_short.sum()), "too_long": int(too_long.sum()),
                        "after_length_filters": after_filters, "after_max_samples": len(pool)})
+    if not any(c["tokenized"] for c in counts):
+        raise no_targets_error(", ".join(s.path for s in sources), sum(c["parsed"] for c in counts))
     picks = _weighted_picks(sources, pools, settings) if settings.weighted else _plain_picks(pools, settings)
     for index, count in enumerate(counts):
         chosen = picks[1][picks[0] == index]
