@@ -1,5 +1,6 @@
-"""Training data: conversation/plain-text formats, regeneration of the answers by the target, and
-tokenisation into padded rows with loss masks (SPEC section 6)."""
+"""Training data: sources (JSONL, JSON arrays, Parquet, Arrow, directories, globs, Hub datasets), conversation
+and plain-text formats, regeneration of the answers by the target, tokenisation into padded rows with loss
+masks (SPEC section 6), mixtures of sources and the tokenized cache."""
 
 from dflash_jax.data.formats import (
     Conversation, DataError, Example, PlainText, ReadStats, example_to_row, read_examples,

@@ -114,7 +114,7 @@ def drop_nulls(value: Any) -> Any:
 def resolve_source(spec: str | Path) -> ResolvedSource:
     """The files of a source spec (see the module docstring); a :class:`DataError` names what is wrong."""
     text = str(spec)
-    if text.startswith(HUB_PREFIX):
+    if text.startswith(HUB_PREFIX) and not Path(text).exists():  # a local path always wins, as for model ids
         return resolve_hub_source(text)
     if GLOB_CHARS.search(text) and not Path(text).exists():
         matches = sorted(Path(p) for p in globlib.glob(text, recursive=True) if Path(p).is_file())
