@@ -245,7 +245,7 @@ def constrain_batch(x: jax.Array, residual: bool = False) -> jax.Array:
     the tensor axis as in Megatron-style tensor parallelism), else left to XLA (the tensor axis may split
     heads, the MLP or the vocabulary). Without such constraints XLA lays activations out like the
     fsdp-sharded weights they meet (hidden dimension over the devices): every device then computes every
-    sequence and activations are all-reduced (docs/training.md, memory plan). No mesh in context, or a batch
+    sequence and activations are all-reduced (docs/results-training.md). No mesh in context, or a batch
     the axes do not divide: unchanged."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or x.ndim == 0:

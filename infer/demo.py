@@ -18,7 +18,7 @@ block, accept and commit) in autoregressive steps, both measured in this run (de
 a round of block 8 costs about 3.4 AR steps, which caps the speedup well below tau; where a round costs
 about one AR step (a large target at batch 1 on a GPU: verifying a block reads the same weights as one step),
 the same tau gives about tau x. This 260K-parameter pair is too small for that even on a GPU: on an H200 its
-rounds were launch-bound, 2.6 AR steps each (docs/speed.md, "The first H200 run").
+rounds were launch-bound, 2.6 AR steps each (docs/results-devices.md, "The first H200 run").
 """
 
 from __future__ import annotations

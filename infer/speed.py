@@ -44,7 +44,7 @@ from infer.cli import (
 
 PROG = "python -m infer speed"
 # --low-memory: XLA:CPU's memory-minimising scheduler instead of the concurrency-optimised one (which starts
-# independent work early: large temporaries of several layers at once; docs/speed.md), and no hoisting of loop-invariant work out of while loops (in bfloat16 it hoists the
+# independent work early: large temporaries of several layers at once; docs/benchmarking.md), and no hoisting of loop-invariant work out of while loops (in bfloat16 it hoists the
 # float32 conversion of every weight out of the decode loop: a float32 copy of the models next to them).
 LOW_MEMORY_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",
                         "--xla_disable_hlo_passes=while-loop-invariant-code-motion")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Adaptive vs fixed block size on the shipped demo pair and the block-16 stories260K draft (docs/speed.md,
+# Adaptive vs fixed block size on the shipped demo pair and the block-16 stories260K draft (docs/results-cpu.md, "Adaptive widths";
 # "Adaptive block size"): a mixed workload of held-out story openings (the drafts' own domain, high
 # acceptance) and GSM8K questions (far outside it, low acceptance), same engine, greedy, 2-core CPU.
 # The adaptive runs also replay width schedules on the answers (--replay): full block, the policy, and the

@@ -1,4 +1,4 @@
-"""AOT memory of the engine's prefill at the Qwen3-8B shapes (docs/speed.md, "Long prompts"): compiles the
+"""AOT memory of the engine's prefill at the Qwen3-8B shapes (docs/results-cpu.md, "Attention bounded by the live length"): compiles the
 prefill program from abstract shapes (no weights, nothing runs) for a batch of one prompt of each length and
 prints XLA's memory analysis. On a CPU this is XLA:CPU's accounting, a proxy for an accelerator's.
 

@@ -14,7 +14,7 @@ schedule of widths can then be replayed exactly in tokens, with time from per-ro
 
 Costs are per round, relative to an autoregressive round; phase bookkeeping and the gap between an
 autoregressive round and a baseline step are left out, so the replay isolates the choice itself. Used by
-``python -m infer bench --replay`` (docs/speed.md, "Adaptive block size").
+``python -m infer bench --replay`` (docs/architecture.md, "Adaptive block size").
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ PIN_PACKED_LAYOUT = ("gpu",)
 # that order (``place_packed``, when a target is loaded; ``aot.plan_decode`` compiles with it), the loop holds
 # no such copy (a 4-layer cut: 11.7 -> 5.7 GiB of temporaries); pinned in it after the layer's barrier too
 # (``_pinned``: deeper cuts had the loop carry them in yet another order), the whole model fits one v5p at 8k
-# tokens (77.6 of 95 GiB; docs/speed.md, "The packed layout on TPUs"). Not on GPUs (their default is
+# tokens (77.6 of 95 GiB; docs/devices.md). Not on GPUs (their default is
 # row-major; see PIN_PACKED_LAYOUT) nor the CPU.
 PACKED_LAYOUTS = {"tpu": {"_blocks": (0, 2, 3, 1), "_scales": (0, 2, 1)}}
 
