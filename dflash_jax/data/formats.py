@@ -25,24 +25,14 @@ order, which is how a regeneration's output (``shard-00000.jsonl``, ...) is read
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, Union
 
-from dflash_jax.errors import UserError
-
-ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
-PROMPT_KEYS = ("prompt", "instruction", "question")
-RESPONSE_KEYS = ("response", "completion", "output", "answer")
-REGENERATE_SETTINGS = "regenerate.json"  # written by dflash_jax.data.regenerate next to its shards
-
-
-class DataError(UserError):
-    """A data problem the user can fix; the message names the file (and the line for a row)."""
-
-
-class RowError(ValueError):
-    """Why one row is unusable (internal: becomes a ``path:line: reason`` warning)."""
+# DataError, RowError, REGENERATE_SETTINGS and shard_path are re-exported: they have always been imported from here.
+from dflash_jax.data.layout import (
+    PROMPT_KEYS, REGENERATE_SETTINGS, RESPONSE_KEYS, ROLE_ALIASES, DataError, RowError, shard_path,
+)
+from dflash_jax.data.sources import parse_columns, resolve_source, source_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,8 +160,6 @@ def example_to_row(example: Example) -> dict:
 def data_files(path: str | Path) -> list[Path]:
     """The data files of a source (a file, a directory, a glob or ``hf:ORG/NAME[:CONFIG[:SPLIT]]``; see
     :mod:`dflash_jax.data.sources`)."""
-    from dflash_jax.data.sources import resolve_source
-
     return list(resolve_source(path).files)
 
 
@@ -184,8 +172,6 @@ def read_examples(path: str | Path, limit: int | None = None, drop_unfinished: b
     ``drop_unfinished`` leaves out the rows a regeneration marked ``"finished": false`` (an answer cut at
     max_new_tokens). ``columns`` renames columns to layout fields (``prompt=instruction,response=output``).
     ``files``: the source's files when already resolved."""
-    from dflash_jax.data.sources import parse_columns, source_rows
-
     mapping = parse_columns(columns)
     examples: list[Example] = []
     stats = ReadStats()
@@ -214,7 +200,3 @@ def read_examples(path: str | Path, limit: int | None = None, drop_unfinished: b
         raise DataError(f"{path}: no usable rows{detail}")
     return examples, stats
 
-
-def shard_path(out_dir: Path, index: int) -> Path:
-    """Shard ``index`` of a regeneration output directory."""
-    return Path(out_dir) / f"shard-{index:05d}.jsonl"

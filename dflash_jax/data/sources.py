@@ -32,17 +32,13 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from dflash_jax.data.formats import (
-    REGENERATE_SETTINGS, PROMPT_KEYS, RESPONSE_KEYS, DataError, RowError, shard_path,
-)
+from dflash_jax.data.layout import LAYOUT_FIELDS, REGENERATE_SETTINGS, DataError, RowError, shard_path
 
 HUB_PREFIX = "hf:"
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 DIRECTORY_SUFFIXES = JSONL_SUFFIXES + COLUMNAR_SUFFIXES
 HUB_SUFFIXES = DIRECTORY_SUFFIXES  # a dataset repository's data files (its .json files are mostly metadata)
-# Fields of the layouts in formats.parse_row: the names a --columns mapping may give a column.
-LAYOUT_FIELDS = ("messages", "conversations", "text", "system", "input") + PROMPT_KEYS + RESPONSE_KEYS
 RECORD_BATCH_ROWS = 1024  # rows turned into Python objects at a time
 GLOB_CHARS = re.compile(r"[*?\[]")
 # A split from a data file's name: "train-00000-of-00003.parquet", "train_sft-00000-of-00001-4f2d.parquet",

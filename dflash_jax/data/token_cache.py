@@ -27,7 +27,6 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from dflash_jax.data.formats import DataError
 from dflash_jax.data.tokenize import TokenizedData
 
 CACHE_FORMAT = 1
