@@ -24,6 +24,12 @@ SUITE_CACHE = Path(os.environ["DFLASH_JAX_SUITE_CACHE"])
 os.environ["DFLASH_JAX_COMPILE_CACHE"] = str(SUITE_CACHE)  # the command lines'
 os.environ["JAX_COMPILATION_CACHE_DIR"] = str(SUITE_CACHE)  # every jax process's (read when jax is imported)
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
+os.environ["DFLASH_JAX_DATA_CACHE"] = str(SUITE_CACHE / "tokenized")  # train fit's tokenized rows: never the user's
+# One thread per XLA:CPU computation: the two xdist workers (and the subprocesses they start) share 2 cores, and
+# on these tiny programs Eigen's thread pool costs more than it gives (A/B on 2026-12-08, 2 cores, two engine
+# modules under -n 2: 240 -> 161 s wall, CPU time about equal). Appended, so a caller's flags are kept.
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_cpu_multi_thread_eigen=false",
+                                                 "intra_op_parallelism_threads=1"]))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

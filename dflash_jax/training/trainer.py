@@ -473,24 +473,11 @@ def export_draft(directory: Path, config: DraftConfig, params: Any, dtype: str |
 
 
 def read_training_data(cfg: dict, tokenizer: Any, log: Callable[[str], None], progress: bool = True):
-    """Read every ``data.train`` file, report skipped rows, tokenize with loss masks."""
-    from dflash_jax.data.formats import read_examples
-    from dflash_jax.data.tokenize import tokenize_examples
+    """The run's tokenized rows: ``data.train`` or the ``data.sources`` mixture (weights, dedup, length filters),
+    through the tokenized cache, as ``train fit`` reads them."""
+    from dflash_jax.data.mixture import prepare_training_data, settings_of
 
-    files = cfg["data"]["train"]
-    files = [files] if isinstance(files, str) else files
-    examples = []
-    for f in files:
-        rows, stats = read_examples(f, drop_unfinished=cfg["data"]["drop_unfinished"])
-        examples += rows
-        log(f"{f}: {len(rows)} rows" + (f", {stats.skipped} malformed rows skipped" if stats.skipped else "")
-            + (f", {stats.unfinished} unfinished rows left out" if stats.unfinished else ""))
-    data = tokenize_examples(tokenizer, examples, cfg["data"]["max_length"], cfg["data"]["use_chat_template"],
-                             progress=progress, enable_thinking=cfg["data"]["enable_thinking"], source=f"data.train ({', '.join(str(f) for f in files)})")
-    log(f"tokenized {len(data)} rows ({int(data.mask.sum())} trained tokens); "
-        f"{data.num_truncated} truncated at {cfg['data']['max_length']} tokens, "
-        f"{data.num_without_targets} without trainable tokens dropped")
-    return data
+    return prepare_training_data(settings_of(cfg), tokenizer, log, progress)[0]
 
 
 def read_eval_prompts(cfg: dict, tokenizer: Any) -> list[list[int]]:
