@@ -124,6 +124,10 @@ def test_globs_and_directories(tmp_path):
     assert len(by_dir) == 5 and by_dir[-1] == PlainText("plain")
     assert read_examples(str(tmp_path / "d" / "*.parquet"))[0] == read_examples(tmp_path / "d" / "b.parquet")[0]
     assert [p.name for p in resolve_source(str(tmp_path / "**" / "*.jsonl*")).files] == ["a.jsonl", "c.jsonl.gz"]
+    # a pattern matching directories (several regenerate outputs) takes each one's data files
+    (tmp_path / "regen-b").mkdir()
+    write_jsonl(tmp_path / "regen-b" / "shard-00000.jsonl", SHAREGPT)
+    assert [p.parent.name for p in resolve_source(str(tmp_path / "[dr]*")).files] == ["d"] * 3 + ["regen-b"]
 
 
 def test_bad_inputs_give_one_clear_error(tmp_path):

@@ -113,7 +113,9 @@ def resolve_source(spec: str | Path) -> ResolvedSource:
     if text.startswith(HUB_PREFIX) and not Path(text).exists():  # a local path always wins, as for model ids
         return resolve_hub_source(text)
     if GLOB_CHARS.search(text) and not Path(text).exists():
-        matches = sorted(Path(p) for p in globlib.glob(text, recursive=True) if Path(p).is_file())
+        # A matching directory (e.g. several regenerate outputs, ``data/regen-*``) stands for its data files.
+        matches = [f for p in sorted(globlib.glob(text, recursive=True))
+                   for f in (local_data_files(Path(p)) if Path(p).is_dir() else [Path(p)])]
         if not matches:
             raise DataError(f"{text}: no files match the pattern")
         return ResolvedSource(text, tuple(matches), _file_identity(matches))
