@@ -42,6 +42,7 @@ PAPER = {"global_batch": 8, "seq_len": 3072, "num_anchors": 512, "anchor_chunk":
 
 def build_parser() -> argparse.ArgumentParser:
     from dflash_jax.aot import DEVICES
+    from dflash_jax.training.plan import ASSUMED_ROWS
 
     parser = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                     epilog="Exit codes: 0 planned (whether or not it fits), 2 bad arguments or settings "
@@ -82,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "devices, compared with their own memory)")
     parser.add_argument("--device-memory-gib", type=float, metavar="GIB",
                         help="memory of one device to compare the total with (default: the --device's, else 80)")
+    parser.add_argument("--rows", type=int, metavar="N",
+                        help="with --config: rows (sequences) of the run's training data, for its number of steps "
+                             "(epochs x N / global batch, capped by train.max_steps) and chip-hours (default: "
+                             f"train.max_steps alone if set, else an assumed {ASSUMED_ROWS:,} rows, the DFlash "
+                             "paper's set; the data is not read)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     add_device_args(parser)
     return parser
@@ -138,6 +144,8 @@ def _settings(args: argparse.Namespace) -> dict:
         if args.overrides or args.num_draft_layers is not None or args.block_size is not None:
             raise UsageError("--set, --num-draft-layers and --block-size go with --config (a pairing file fixes "
                              "its draft)")
+        if args.rows is not None:
+            raise UsageError("--rows goes with --config (the run's epochs and max_steps come from it)")
         from dflash_jax.configs import load_pairing
 
         pairing = load_pairing(args.pairing)
@@ -163,7 +171,8 @@ def _settings(args: argparse.Namespace) -> dict:
                 "num_anchors": t["num_anchors"], "anchor_chunk": t["anchor_chunk"], "accum_steps": t["accum_steps"],
                 "dtype": t["dtype"], "mesh": cfg["mesh"],
                 "gamma": UNIFORM_GAMMA if t["uniform_loss"] else t["gamma"], "loss": t["loss"],
-                "kl_weight": t["kl_weight"], "loss_mode": t["loss_mode"], "dspark_loss_weights": t["dspark_loss_weights"],
+                "kl_weight": t["kl_weight"], "loss_mode": t["loss_mode"],
+                "run": {"epochs": t["epochs"], "max_steps": t["max_steps"]}, "dspark_loss_weights": t["dspark_loss_weights"],
                 "optimizer": {"learning_rate": t["learning_rate"], "warmup_ratio": t["warmup_ratio"],
                               "clip_norm": t["clip_norm"], "weight_decay": t["weight_decay"],
                               "min_lr_ratio": t["min_lr_ratio"], "optimizer": t["optimizer"],
@@ -179,6 +188,8 @@ def _settings(args: argparse.Namespace) -> dict:
             raise UsageError(f"--{key.replace('_', '-')} must be positive, got {s[key]}")
     if s["global_batch"] % s["accum_steps"]:
         raise UsageError(f"global batch {s['global_batch']} is not divisible by --accum-steps {s['accum_steps']}")
+    if getattr(args, "rows", None) is not None and args.rows < 1:
+        raise UsageError(f"--rows must be positive, got {args.rows}")
     if args.device_memory_gib is not None and args.device_memory_gib <= 0:
         raise UsageError(f"--device-memory-gib must be positive, got {args.device_memory_gib}")
     if s["dtype"] == "auto":
@@ -317,11 +328,60 @@ def plan_main(args: argparse.Namespace) -> int:
     )
     if device is not None:
         result["compile_only"] = device != "local"
+    result["time"] = _time_and_cost(result, device, s.get("run"), args.rows)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(format_plan(result))
     return 0
+
+
+def _time_and_cost(result: dict, device: str | None, run_settings: dict | None, rows: int | None) -> dict:
+    """The roofline time section of a plan: step time, tokens/s per chip and, with a run config, the run's
+    steps, wall time and chip-hours; ``{"unavailable": why}`` for a device with no peak rates (CPU, local)."""
+    from dflash_jax.training.plan import ASSUMPTIONS, peak_rates, run_steps, time_and_cost
+
+    try:
+        rates = peak_rates(device or "cpu")
+    except UserError as e:
+        return {"unavailable": str(e)}
+    run = None
+    if run_settings is not None:
+        assumed = rows is None and not run_settings["max_steps"]
+        counted_rows = ASSUMED_ROWS if assumed else rows
+        steps = run_steps(result["global_batch"], run_settings["epochs"], counted_rows, run_settings["max_steps"])
+        run = {"steps": steps, "rows": counted_rows, "rows_assumed": assumed, "epochs": run_settings["epochs"],
+               "max_steps": run_settings["max_steps"]}
+    return dict(time_and_cost(result, rates, run), assumptions=list(ASSUMPTIONS))
+
+
+def format_time(t: dict) -> list[str]:
+    """The table's lines for a plan's ``time`` section."""
+    if "unavailable" in t:
+        return [f"time: not estimated ({t['unavailable']})"]
+    bound = "compute" if t["bound"] == "compute" else "HBM bandwidth"
+    lines = [
+        f"roofline time per step (a LOWER BOUND, {t['chips']} x {t['device']} at peak: "
+        f"{t['peak_flops_per_s'] / 1e12:.1f} bf16 TFLOP/s, {t['hbm_bytes_per_s'] / 1e12:.2f} TB/s HBM per chip):",
+        f"  per device: {t['flops_per_device']:.3e} FLOPs ({t['loop_flops_per_device']:.3e} of them from loop "
+        f"iterations XLA counts once), {t['bytes_per_device']:.3e} bytes; {t['cost_source']}",
+        f"  compute {t['compute_s'] * 1e3:.1f} ms, memory {t['memory_s'] * 1e3:.1f} ms -> step "
+        f"{t['step_s'] * 1e3:.1f} ms, {bound}-bound",
+        f"  {t['tokens_per_step']:,} tokens per step -> {t['tokens_per_s_per_chip']:,.0f} tokens/s per chip",
+    ]
+    run = t.get("run")
+    if run:
+        if run["rows_assumed"]:
+            counted = f"{run['rows']:,} rows ASSUMED (pass --rows N)"
+        elif run["rows"] is None:
+            counted = "train.max_steps"
+        else:
+            counted = f"{run['rows']:,} rows"
+        cap = f", capped at train.max_steps {run['max_steps']:,}" if run["max_steps"] and run["rows"] else ""
+        lines.append(f"  run: {run['steps']:,} steps ({counted} x {run['epochs']} epochs / global batch{cap}) -> "
+                     f"{run['wall_hours']:.2f} h wall, {run['chip_hours']:,.1f} chip-hours")
+    lines += [f"  assumes: {a}" for a in t["assumptions"]]
+    return lines
 
 
 def format_plan(r: dict) -> str:
@@ -378,6 +438,8 @@ def format_plan(r: dict) -> str:
             lines.append(f"memory: XLA's buffer assignment on {r['device']} (compiled, not run)")
     elif r["backend"] == "cpu":
         lines.append("memory: XLA:CPU's buffer assignment, a proxy for an accelerator's, not a measurement of one")
+    if "time" in r:
+        lines += [""] + format_time(r["time"])
     return "\n".join(lines)
 
 

@@ -10,10 +10,16 @@ lowers and compiles it, and reads XLA's own accounting of the compiled per-devic
   old one's buffers). ``total = arguments + outputs + temporaries - aliased`` is what one device must hold at
   the step's peak by that accounting. jit drops arguments the step never reads (target layers past the
   last feature layer); the trainer holds them anyway, so ``resident_total_bytes`` adds them back;
-* ``compiled.cost_analysis()``: the FLOPs of the per-device program (``None`` when the backend reports none).
-  XLA counts a while loop's body once, whatever its trip count, so this undercounts the step's scans over
-  anchor chunks and accumulation micro-steps; ``matmul_flops`` counts the matrix products of the step's
-  jaxpr with every ``scan`` multiplied by its length.
+* ``compiled.cost_analysis()``: the FLOPs and bytes accessed of the per-device program (a compile-only GPU
+  reports none: XLA's same analysis of its optimised module then, run by the CPU client). XLA counts a while
+  loop's body once, whatever its trip count, so this undercounts the step's scans over anchor chunks and
+  accumulation micro-steps; ``matmul_flops`` counts the matrix products of the step's jaxpr with every
+  ``scan`` multiplied by its length.
+
+``time_and_cost`` turns a plan into a roofline step time for a device with known peak rates
+(``device_specs/peak_rates.txtpb``): XLA's FLOPs and bytes with the loop iterations it leaves out added back,
+against peak bf16 FLOP/s and HBM bandwidth, whichever is slower; then tokens/s per chip and a run's wall time
+and chip-hours. A lower bound: no communication, no overlap losses.
 
 The figures are the compiling backend's: on CPU (``--xla_force_host_platform_device_count``) they are
 XLA:CPU's buffer assignment, a proxy for an accelerator's, not a measurement of one. Given a
@@ -25,8 +31,11 @@ assignment for that device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import re
 import time
+from importlib import resources
 from typing import Any, Iterator
 
 import jax
@@ -60,17 +69,50 @@ def abstract_batch(global_batch: int, seq_len: int, mesh: Mesh) -> tuple[dict, d
     return batch, shardings
 
 
-def _flops(compiled: Any) -> float | None:
+def xla_cost(compiled: Any) -> dict | None:
+    """FLOPs and bytes accessed of the compiled per-device program, as XLA's ``HloCostAnalysis`` counts them
+    (each loop body once, whatever its trip count): ``{"flops", "bytes", "source"}`` or None.
+
+    ``source`` is ``compiler`` where the device's compiler reports them (``compiled.cost_analysis()``: CPU, and
+    TPUs without a device), else ``hlo``: the same analysis run by this process's CPU client over the device's
+    optimised program (a compile-only GPU reports none of its own). In the ``hlo`` figures a library call
+    (cuBLAS, cuDNN) counts its operand and result bytes but may count no FLOPs; ``matmul_flops`` bounds those."""
+    cost = None
     try:
         cost = compiled.cost_analysis()
     except Exception:  # some backends do not implement it
-        return None
+        pass
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else None
+    source = "compiler"
     if not isinstance(cost, dict) or cost.get("flops") is None:
+        source, cost = "hlo", _hlo_cost(compiled)
+    if not cost or cost.get("flops") is None or float(cost["flops"]) < 0:
         return None
-    flops = float(cost["flops"])
-    return flops if flops >= 0 else None
+    return {"flops": float(cost["flops"]), "bytes": float(cost.get("bytes accessed") or 0.0), "source": source}
+
+
+def _hlo_cost(compiled: Any) -> dict | None:
+    """XLA's cost analysis of ``compiled``'s optimised module, by the CPU client (private APIs: None where this
+    jaxlib moved them)."""
+    try:
+        from jax._src.lib import xla_client
+
+        module = compiled.runtime_executable().hlo_modules()[0]
+        return dict(xla_client._xla.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module))
+    except Exception:
+        return None
+
+
+def program_cost(jaxpr: Any, compiled: Any) -> dict:
+    """What a plan reports of a program's work: XLA's per-device ``flops``, ``bytes_accessed`` and their
+    ``cost_source`` (None where none is reported), and the jaxpr's ``matmul_flops`` of the whole program with
+    loops at their trip counts, ``matmul_flops_loops_once`` with each loop body once, ``matmul_flops_exact``."""
+    cost = xla_cost(compiled)
+    flops, exact = matmul_flops(jaxpr)
+    return {"flops": cost["flops"] if cost else None, "bytes_accessed": cost["bytes"] if cost else None,
+            "cost_source": cost["source"] if cost else None, "matmul_flops": flops,
+            "matmul_flops_loops_once": matmul_flops(jaxpr, multiply_loops=False)[0], "matmul_flops_exact": exact}
 
 
 def _sub_jaxprs(value: Any):
@@ -83,11 +125,12 @@ def _sub_jaxprs(value: Any):
             yield from _sub_jaxprs(v)
 
 
-def matmul_flops(jaxpr: Any) -> tuple[int, bool]:
+def matmul_flops(jaxpr: Any, multiply_loops: bool = True) -> tuple[int, bool]:
     """FLOPs of every ``dot_general`` of a (closed) jaxpr, loops multiplied by their trip counts: ``scan``
     bodies count ``length`` times, a ``cond`` its dearest branch. Returns ``(flops, exact)``; ``exact`` is
     False when a ``while`` loop (trip count unknown here) was counted once. Matrix products are nearly all of
-    a transformer's FLOPs; elementwise work is left out."""
+    a transformer's FLOPs; elementwise work is left out. ``multiply_loops=False`` counts every loop body once,
+    as XLA's cost analysis does: the difference of the two is what that analysis leaves out."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total, exact = 0, True
     for eqn in jaxpr.eqns:
@@ -98,7 +141,7 @@ def matmul_flops(jaxpr: Any) -> tuple[int, bool]:
             shared = math.prod(lhs[d] for d in (*lc, *lb))
             total += 2 * math.prod(lhs) * math.prod(rhs) // max(shared, 1)
             continue
-        counted = [matmul_flops(j) for v in eqn.params.values() for j in _sub_jaxprs(v)]
+        counted = [matmul_flops(j, multiply_loops) for v in eqn.params.values() for j in _sub_jaxprs(v)]
         if not counted:
             continue
         flops = [f for f, _ in counted]
@@ -106,7 +149,7 @@ def matmul_flops(jaxpr: Any) -> tuple[int, bool]:
         if name == "cond":
             total += max(flops)
         elif name == "scan":
-            total += eqn.params["length"] * sum(flops)
+            total += (eqn.params["length"] if multiply_loops else 1) * sum(flops)
         else:  # pjit, remat, custom_jvp/vjp calls, shard_map: once (a while loop: at least once)
             total += sum(flops)
     return total, exact
@@ -188,10 +231,11 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
     (inputs that jit drops because the step never reads them, still resident in the trainer) and
     ``resident_total_bytes`` (``total_bytes`` + dropped: what must fit); ``peak_bytes`` (the backend's own
     figure, ``None`` when not reported); ``target_param_bytes``, ``draft_param_bytes`` and
-    ``draft_state_bytes`` (params, Adam moments, step and key). FLOPs: ``flops`` (XLA's cost analysis of the
-    per-device program, ``None`` when not reported; it counts each loop body ONCE, so it undercounts the
-    anchor-chunk and accumulation loops) and ``matmul_flops`` (every matrix product of the global step,
-    loops multiplied by their trip counts; ``matmul_flops_exact``). Also ``lower_seconds``,
+    ``draft_state_bytes`` (params, Adam moments, step and key). FLOPs: ``flops`` and ``bytes_accessed`` (XLA's
+    cost analysis of the per-device program, ``None`` when not reported, ``cost_source`` saying whose; it
+    counts each loop body ONCE, so it undercounts the anchor-chunk and accumulation loops) and
+    ``matmul_flops`` (every matrix product of the global step, loops multiplied by their trip counts;
+    ``matmul_flops_exact``; ``matmul_flops_loops_once``: each loop body once, as XLA counts). Also ``lower_seconds``,
     ``compile_seconds``, and the ``mesh``, ``num_devices`` and ``backend`` planned for.
 
     ``target`` (a ``dflash_jax.aot.CompileTarget``, ``mesh`` built over its devices): compile for that device
@@ -230,7 +274,6 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
                              out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=(0,))
         t0 = time.perf_counter()
         traced = train_step.trace(state_arg, target_arg, batch_arg)
-        step_flops, flops_exact = matmul_flops(traced.jaxpr)
         lowered = traced.lower(**lowering)
         t1 = time.perf_counter()
         compiled = lowered.compile()
@@ -273,9 +316,7 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
         "target_param_bytes": per_device_bytes(target_arg),
         "draft_param_bytes": per_device_bytes(state_arg.params),
         "draft_state_bytes": per_device_bytes(state_arg),
-        "flops": _flops(compiled),
-        "matmul_flops": step_flops,
-        "matmul_flops_exact": flops_exact,
+        **program_cost(traced.jaxpr, compiled),
         "lower_seconds": t1 - t0,
         "compile_seconds": t2 - t1,
     }
@@ -285,3 +326,132 @@ def plan_step(target_config: TargetConfig, draft_config: DraftConfig, step_cfg: 
 def _device_context(mesh: Mesh, platform: str) -> Iterator[None]:
     with compiling_for(platform), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         yield
+
+
+# ------------------------------------------------------------------------------------------ time and cost
+
+PEAK_RATES_FILE = "peak_rates.txtpb"
+# Rows of a run config's data when its count is not given (--rows): the DFlash paper's Qwen3-8B training set,
+# about 800K regenerated samples (docs/ablations.md); a stated assumption, printed with the figures.
+ASSUMED_ROWS = 800_000
+SECONDS_PER_HOUR = 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakRates:
+    """One chip's peak rates: dense bfloat16 matrix FLOP/s and HBM bytes/s, and where each figure is from."""
+
+    device: str
+    flops_per_s: float
+    bytes_per_s: float
+    bandwidth_source: str
+
+
+def _spec_blocks(text: str) -> dict[str, dict[str, str]]:
+    """``device { name: "x" key: value ... }`` blocks of the peak-rates file, by name (comments dropped)."""
+    text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    blocks = {}
+    for body in re.findall(r"device\s*\{([^}]*)\}", text):
+        fields = dict(re.findall(r"(\w+)\s*:\s*\"?([^\s\"]+)\"?", body))
+        blocks[fields["name"]] = fields
+    return blocks
+
+
+def peak_rates(device: str) -> PeakRates:
+    """The peak rates of one chip of ``device`` (``h200``, ``v5p``, a topology ``v5p:2x2x2``), from
+    ``device_specs/peak_rates.txtpb``; a GPU's HBM bandwidth from its own target config when the file gives
+    none. A device with no figures (``cpu``, ``local``, an unknown name) is a ``UserError``."""
+    from dflash_jax.aot import GPU_SPECS, gpu_target_config
+
+    kind = device.split(":")[0]
+    blocks = _spec_blocks(resources.files("dflash_jax").joinpath("device_specs", PEAK_RATES_FILE).read_text())
+    if kind not in blocks:
+        raise UserError(f"no peak rates for device {device!r}: the roofline time needs one of "
+                        f"{', '.join(sorted(blocks))} (dflash_jax/device_specs/{PEAK_RATES_FILE})")
+    fields = blocks[kind]
+    if "hbm_bytes_per_s" in fields:
+        bandwidth, source = float(fields["hbm_bytes_per_s"]), PEAK_RATES_FILE
+    else:
+        found = re.search(r"memory_bandwidth:\s*(\d+)", gpu_target_config(kind)) if kind in GPU_SPECS else None
+        if found is None:
+            raise UserError(f"no HBM bandwidth for device {device!r} in dflash_jax/device_specs/")
+        bandwidth, source = float(found.group(1)), GPU_SPECS[kind]
+    return PeakRates(kind, float(fields["bf16_flops_per_s"]), bandwidth, source)
+
+
+def roofline(flops_per_device: float, bytes_per_device: float, rates: PeakRates) -> dict:
+    """The roofline time of one step on one device: the larger of its FLOPs at peak FLOP/s (``compute_s``)
+    and its bytes at peak HBM bandwidth (``memory_s``), ``bound`` naming which. Devices run the step in
+    parallel, so this is the step's time; a lower bound (no communication, no overlap losses)."""
+    compute_s = flops_per_device / rates.flops_per_s
+    memory_s = bytes_per_device / rates.bytes_per_s
+    return {"compute_s": compute_s, "memory_s": memory_s, "step_s": max(compute_s, memory_s),
+            "bound": "compute" if compute_s >= memory_s else "memory"}
+
+
+def step_cost(plan: dict) -> dict:
+    """Per-device FLOPs and bytes of one step from a ``plan_step`` result, loops counted at their trip counts.
+
+    XLA's cost analysis counts each loop body once; the matrix products of the iterations it leaves out (the
+    jaxpr's count with loops multiplied, less the count with each body once, split evenly over the devices)
+    are added to its FLOPs, and its bytes are scaled by the same factor (the loops' iterations taken to move
+    as many bytes per FLOP as the rest of the step). This takes every loop of the jaxpr to survive into the
+    compiled program, as the train step's do (its loss, computed in the forward pass's loops, is an output);
+    a loop XLA removed as dead would be counted all the same. Without XLA's figures: the jaxpr's matrix
+    products alone, no bytes. ``source`` says which."""
+    devices = plan["num_devices"]
+    missed = max(0, plan["matmul_flops"] - plan["matmul_flops_loops_once"]) / devices
+    if plan.get("flops") is None:
+        return {"flops": plan["matmul_flops"] / devices, "bytes": 0.0, "loop_flops": missed,
+                "source": "jaxpr matmuls (no cost analysis)"}
+    flops = plan["flops"] + missed
+    scale = flops / plan["flops"] if plan["flops"] > 0 else 1.0
+    return {"flops": flops, "bytes": (plan["bytes_accessed"] or 0.0) * scale, "loop_flops": missed,
+            "source": f"XLA cost analysis ({plan['cost_source']}) + loop iterations"}
+
+
+def run_steps(global_batch: int, epochs: int, rows: int | None, max_steps: int | None) -> int:
+    """Optimizer steps of a run, as ``train fit`` counts them: ``epochs x rows // global_batch`` (the last
+    partial batch dropped), capped by ``max_steps``; ``max_steps`` alone when the rows are not known."""
+    if rows is None:
+        if not max_steps:
+            raise UserError("the run's steps need its row count (--rows N) or train.max_steps")
+        return max_steps
+    if rows < 1:
+        raise UserError(f"rows must be positive, got {rows}")
+    steps = rows * epochs // global_batch
+    steps = min(steps, max_steps) if max_steps else steps
+    if steps < 1:
+        raise UserError(f"{rows} rows x {epochs} epochs do not fill one global batch of {global_batch}")
+    return steps
+
+
+def time_and_cost(plan: dict, rates: PeakRates, run: dict | None = None) -> dict:
+    """Roofline step time, tokens/s per chip and, given ``run`` (``steps`` and how they were counted), the
+    run's wall time and chip-hours, from a ``plan_step`` result (with ``global_batch`` and ``seq_len``)."""
+    cost = step_cost(plan)
+    times = roofline(cost["flops"], cost["bytes"], rates)
+    chips = plan["num_devices"]
+    tokens = plan["global_batch"] * plan["seq_len"]
+    result = {
+        "device": rates.device, "peak_flops_per_s": rates.flops_per_s, "hbm_bytes_per_s": rates.bytes_per_s,
+        "hbm_bandwidth_source": rates.bandwidth_source, "chips": chips,
+        "flops_per_device": cost["flops"], "bytes_per_device": cost["bytes"],
+        "loop_flops_per_device": cost["loop_flops"], "cost_source": cost["source"], **times,
+        "tokens_per_step": tokens, "tokens_per_s_per_chip": tokens / times["step_s"] / chips,
+    }
+    if run is not None:
+        wall_s = run["steps"] * times["step_s"]
+        result["run"] = dict(run, wall_s=wall_s, wall_hours=wall_s / SECONDS_PER_HOUR,
+                             chip_hours=wall_s * chips / SECONDS_PER_HOUR)
+    return result
+
+
+# Printed with the figures and stored in --json: what the roofline leaves out, so it reads as a lower bound.
+ASSUMPTIONS = (
+    "roofline lower bound: each device at its peak dense bf16 FLOP/s or peak HBM bandwidth, whichever is slower",
+    "no communication time (all-gathers, reduce-scatters) and no overlap losses modelled",
+    "FLOPs and bytes are XLA's cost analysis of one device's program; the loop iterations it counts once are "
+    "added from the jaxpr's matrix products (split evenly over devices), and bytes scaled by the same factor",
+    "every sequence full (global batch x seq len tokens per step); no data loading, evaluation or checkpoint time",
+)
