@@ -121,3 +121,23 @@ def test_table_and_cli_errors(tiny_plan, capsys):
         "time: not estimated (no peak rates for device 'cpu')"]
     assert main(["--pairing", "tiny-test", "--rows", "100"]) == 2
     assert "error: --rows goes with --config" in capsys.readouterr().err
+
+
+def test_the_runs_rows_come_from_rows_then_data_limit_then_max_steps_then_the_assumption(tiny_plan):
+    from train.plan import _time_and_cost, format_time
+
+    def run_of(rows, limit, max_steps):
+        t = _time_and_cost(tiny_plan, "v5p:2x2x2", {"epochs": 2, "max_steps": max_steps, "data_limit": limit}, rows)
+        return t["run"], "\n".join(format_time(t))
+
+    run, text = run_of(1000, 5000, None)
+    assert (run["rows"], run["rows_from"], run["steps"]) == (1000, "--rows", 1000 * 2 // 4)
+    run, text = run_of(None, 5000, 100)
+    assert (run["rows"], run["rows_from"], run["steps"]) == (5000, "data.limit", 100)  # capped by max_steps
+    assert "5,000 rows of data.limit, at most" in text and "capped at train.max_steps 100" in text
+    run, text = run_of(None, None, 7)
+    assert (run["rows"], run["steps"]) == (None, 7) and "train.max_steps; the rows are not known" in text
+    run, text = run_of(None, None, None)
+    assert run["rows_assumed"] and run["steps"] == plan.ASSUMED_ROWS * 2 // 4 and "ASSUMED" in text
+    # a device without peak rates: the plan says so instead of a time
+    assert "no peak rates for device 'cpu'" in _time_and_cost(tiny_plan, None, None, None)["unavailable"]

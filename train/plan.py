@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", type=int, metavar="N",
                         help="with --config: rows (sequences) of the run's training data, for its number of steps "
                              "(epochs x N / global batch, capped by train.max_steps) and chip-hours (default: "
-                             f"train.max_steps alone if set, else an assumed {ASSUMED_ROWS:,} rows, the DFlash "
-                             "paper's set; the data is not read)")
+                             "data.limit, else train.max_steps alone if set, else an assumed "
+                             f"{ASSUMED_ROWS:,} rows, the DFlash paper's set; the data is not read)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     add_device_args(parser)
     return parser
@@ -172,7 +172,7 @@ def _settings(args: argparse.Namespace) -> dict:
                 "dtype": t["dtype"], "mesh": cfg["mesh"],
                 "gamma": UNIFORM_GAMMA if t["uniform_loss"] else t["gamma"], "loss": t["loss"],
                 "kl_weight": t["kl_weight"], "loss_mode": t["loss_mode"],
-                "run": {"epochs": t["epochs"], "max_steps": t["max_steps"]}, "dspark_loss_weights": t["dspark_loss_weights"],
+                "run": {"epochs": t["epochs"], "max_steps": t["max_steps"], "data_limit": cfg["data"]["limit"]}, "dspark_loss_weights": t["dspark_loss_weights"],
                 "optimizer": {"learning_rate": t["learning_rate"], "warmup_ratio": t["warmup_ratio"],
                               "clip_norm": t["clip_norm"], "weight_decay": t["weight_decay"],
                               "min_lr_ratio": t["min_lr_ratio"], "optimizer": t["optimizer"],
@@ -339,7 +339,7 @@ def plan_main(args: argparse.Namespace) -> int:
 def _time_and_cost(result: dict, device: str | None, run_settings: dict | None, rows: int | None) -> dict:
     """The roofline time section of a plan: step time, tokens/s per chip and, with a run config, the run's
     steps, wall time and chip-hours; ``{"unavailable": why}`` for a device with no peak rates (CPU, local)."""
-    from dflash_jax.training.plan import ASSUMPTIONS, peak_rates, run_steps, time_and_cost
+    from dflash_jax.training.plan import ASSUMED_ROWS, ASSUMPTIONS, peak_rates, run_steps, time_and_cost
 
     try:
         rates = peak_rates(device or "cpu")
@@ -347,11 +347,19 @@ def _time_and_cost(result: dict, device: str | None, run_settings: dict | None, 
         return {"unavailable": str(e)}
     run = None
     if run_settings is not None:
-        assumed = rows is None and not run_settings["max_steps"]
-        counted_rows = ASSUMED_ROWS if assumed else rows
+        # the rows, without reading the data: --rows, else data.limit (the mixture holds at most that many),
+        # else none when train.max_steps alone counts the steps, else the stated assumption
+        if rows is not None:
+            counted_rows, rows_from = rows, "--rows"
+        elif run_settings["data_limit"]:
+            counted_rows, rows_from = run_settings["data_limit"], "data.limit"
+        elif run_settings["max_steps"]:
+            counted_rows, rows_from = None, "train.max_steps"
+        else:
+            counted_rows, rows_from = ASSUMED_ROWS, "assumed"
         steps = run_steps(result["global_batch"], run_settings["epochs"], counted_rows, run_settings["max_steps"])
-        run = {"steps": steps, "rows": counted_rows, "rows_assumed": assumed, "epochs": run_settings["epochs"],
-               "max_steps": run_settings["max_steps"]}
+        run = {"steps": steps, "rows": counted_rows, "rows_from": rows_from, "rows_assumed": rows_from == "assumed",
+               "epochs": run_settings["epochs"], "max_steps": run_settings["max_steps"]}
     return dict(time_and_cost(result, rates, run), assumptions=list(ASSUMPTIONS))
 
 
@@ -371,15 +379,19 @@ def format_time(t: dict) -> list[str]:
     ]
     run = t.get("run")
     if run:
-        if run["rows_assumed"]:
+        if run["rows"] is None:
+            counted = "train.max_steps; the rows are not known"
+        elif run["rows_assumed"]:
             counted = f"{run['rows']:,} rows ASSUMED (pass --rows N)"
-        elif run["rows"] is None:
-            counted = "train.max_steps"
+        elif run.get("rows_from") == "data.limit":
+            counted = f"{run['rows']:,} rows of data.limit, at most (pass --rows N)"
         else:
             counted = f"{run['rows']:,} rows"
-        cap = f", capped at train.max_steps {run['max_steps']:,}" if run["max_steps"] and run["rows"] else ""
-        lines.append(f"  run: {run['steps']:,} steps ({counted} x {run['epochs']} epochs / global batch{cap}) -> "
-                     f"{run['wall_hours']:.2f} h wall, {run['chip_hours']:,.1f} chip-hours")
+        if run["rows"] is not None:
+            cap = f", capped at train.max_steps {run['max_steps']:,}" if run["max_steps"] else ""
+            counted = f"{counted} x {run['epochs']} epochs / global batch{cap}"
+        lines.append(f"  run: {run['steps']:,} steps ({counted}) -> {run['wall_hours']:.2f} h wall, "
+                     f"{run['chip_hours']:,.1f} chip-hours")
     lines += [f"  assumes: {a}" for a in t["assumptions"]]
     return lines
 
