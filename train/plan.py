@@ -18,6 +18,11 @@ pip install -e ".[aot]"). The step is then compiled by that device's compiler ov
 devices, as many as the mesh names (on a topology: all of its chips, a -1 axis taking the rest; on a bare
 name a -1 axis is 1), and the memory is that compiler's buffer assignment, compared with the device's memory.
 
+For such a device the plan also prints a roofline step time (the larger of the step's per-device FLOPs at the
+chip's peak bf16 FLOP/s and its bytes at peak HBM bandwidth, from XLA's cost analysis with the loop iterations
+it counts once added back), tokens/s per chip and, with --config, the run's steps, wall time and chip-hours
+(rows: --rows, else data.limit, else an assumption it states): a lower bound, no communication modelled.
+
 Example: the Qwen3-8B step on eight H200s, sharded over fsdp:
 
     python -m train plan --pairing qwen3-8b-dflash-b16 --mesh fsdp=8 --device h200
@@ -171,8 +176,8 @@ def _settings(args: argparse.Namespace) -> dict:
                 "num_anchors": t["num_anchors"], "anchor_chunk": t["anchor_chunk"], "accum_steps": t["accum_steps"],
                 "dtype": t["dtype"], "mesh": cfg["mesh"],
                 "gamma": UNIFORM_GAMMA if t["uniform_loss"] else t["gamma"], "loss": t["loss"],
-                "kl_weight": t["kl_weight"], "loss_mode": t["loss_mode"],
-                "run": {"epochs": t["epochs"], "max_steps": t["max_steps"], "data_limit": cfg["data"]["limit"]}, "dspark_loss_weights": t["dspark_loss_weights"],
+                "kl_weight": t["kl_weight"], "loss_mode": t["loss_mode"], "dspark_loss_weights": t["dspark_loss_weights"],
+                "run": {"epochs": t["epochs"], "max_steps": t["max_steps"], "data_limit": cfg["data"]["limit"]},
                 "optimizer": {"learning_rate": t["learning_rate"], "warmup_ratio": t["warmup_ratio"],
                               "clip_norm": t["clip_norm"], "weight_decay": t["weight_decay"],
                               "min_lr_ratio": t["min_lr_ratio"], "optimizer": t["optimizer"],
@@ -188,7 +193,7 @@ def _settings(args: argparse.Namespace) -> dict:
             raise UsageError(f"--{key.replace('_', '-')} must be positive, got {s[key]}")
     if s["global_batch"] % s["accum_steps"]:
         raise UsageError(f"global batch {s['global_batch']} is not divisible by --accum-steps {s['accum_steps']}")
-    if getattr(args, "rows", None) is not None and args.rows < 1:
+    if args.rows is not None and args.rows < 1:
         raise UsageError(f"--rows must be positive, got {args.rows}")
     if args.device_memory_gib is not None and args.device_memory_gib <= 0:
         raise UsageError(f"--device-memory-gib must be positive, got {args.device_memory_gib}")
