@@ -69,6 +69,16 @@ def test_xla_counts_the_loop_once_and_the_correction_matches_the_hand_count(tiny
     assert cost["bytes"] == pytest.approx(tiny_plan["bytes_accessed"] * cost["flops"] / tiny_plan["flops"])
 
 
+def test_the_flops_are_at_least_the_jaxprs_matrix_products(tiny_plan):
+    # a compile-only GPU's module counted by the CPU client: cuBLAS calls are custom calls with no FLOPs
+    gpu_like = dict(tiny_plan, flops=1000.0, cost_source="hlo", num_devices=2)
+    cost = plan.step_cost(gpu_like)
+    assert cost["flops"] == tiny_plan["matmul_flops"] / 2 and cost["source"].startswith("jaxpr matmuls")
+    assert cost["bytes"] == tiny_plan["bytes_accessed"] * (1000.0 + cost["loop_flops"]) / 1000.0
+    no_cost = dict(tiny_plan, flops=None, bytes_accessed=None, cost_source=None)
+    assert plan.step_cost(no_cost)["flops"] == tiny_plan["matmul_flops"] and plan.step_cost(no_cost)["bytes"] == 0
+
+
 def test_roofline_and_chip_hours_arithmetic(tiny_plan):
     # rates chosen so that each bound wins once
     compute_bound = PeakRates("test", flops_per_s=1e9, bytes_per_s=1e12, bandwidth_source="test")
