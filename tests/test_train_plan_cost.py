@@ -144,7 +144,7 @@ def test_the_runs_rows_come_from_rows_then_data_limit_then_max_steps_then_the_as
     assert (run["rows"], run["rows_from"], run["steps"]) == (1000, "--rows", 1000 * 2 // 4)
     run, text = run_of(None, 5000, 100)
     assert (run["rows"], run["rows_from"], run["steps"]) == (5000, "data.limit", 100)  # capped by max_steps
-    assert "5,000 rows of data.limit, at most" in text and "capped at train.max_steps 100" in text
+    assert "at most 5,000 rows (data.limit" in text and "/ global batch 4, capped at train.max_steps 100" in text
     run, text = run_of(None, None, 7)
     assert (run["rows"], run["steps"]) == (None, 7) and "train.max_steps; the rows are not known" in text
     run, text = run_of(None, None, None)

@@ -380,7 +380,8 @@ def format_time(t: dict) -> list[str]:
         f"iterations XLA counts once), {t['bytes_per_device']:.3e} bytes; {t['cost_source']}",
         f"  compute {t['compute_s'] * 1e3:.1f} ms, memory {t['memory_s'] * 1e3:.1f} ms -> step "
         f"{t['step_s'] * 1e3:.1f} ms, {bound}-bound",
-        f"  {t['tokens_per_step']:,} tokens per step -> {t['tokens_per_s_per_chip']:,.0f} tokens/s per chip",
+        f"  {t['tokens_per_step']:,} tokens per step (global batch {t['global_batch']} x {t['seq_len']}) -> "
+        f"{t['tokens_per_s_per_chip']:,.0f} tokens/s per chip",
     ]
     run = t.get("run")
     if run:
@@ -389,12 +390,12 @@ def format_time(t: dict) -> list[str]:
         elif run["rows_assumed"]:
             counted = f"{run['rows']:,} rows ASSUMED (pass --rows N)"
         elif run.get("rows_from") == "data.limit":
-            counted = f"{run['rows']:,} rows of data.limit, at most (pass --rows N)"
+            counted = f"at most {run['rows']:,} rows (data.limit; pass --rows N)"
         else:
             counted = f"{run['rows']:,} rows"
         if run["rows"] is not None:
             cap = f", capped at train.max_steps {run['max_steps']:,}" if run["max_steps"] else ""
-            counted = f"{counted} x {run['epochs']} epochs / global batch{cap}"
+            counted = f"{counted} x {run['epochs']} epochs / global batch {t['global_batch']}{cap}"
         lines.append(f"  run: {run['steps']:,} steps ({counted}) -> {run['wall_hours']:.2f} h wall, "
                      f"{run['chip_hours']:,.1f} chip-hours")
     lines += [f"  assumes: {a}" for a in t["assumptions"]]

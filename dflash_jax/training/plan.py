@@ -412,7 +412,7 @@ def step_cost(plan: dict) -> dict:
     floor = plan["matmul_flops"] / devices
     source = f"XLA cost analysis ({plan['cost_source']}) + loop iterations"
     if floor > counted:
-        source = f"jaxpr matmuls (above {source}, which misses library calls' FLOPs)"
+        source = f"jaxpr matmuls, more than {source}"
     return {"flops": max(counted, floor), "bytes": (plan["bytes_accessed"] or 0.0) * scale, "loop_flops": missed,
             "source": source}
 
@@ -445,7 +445,8 @@ def time_and_cost(plan: dict, rates: PeakRates, run: dict | None = None) -> dict
         "hbm_bandwidth_source": rates.bandwidth_source, "chips": chips,
         "flops_per_device": cost["flops"], "bytes_per_device": cost["bytes"],
         "loop_flops_per_device": cost["loop_flops"], "cost_source": cost["source"], **times,
-        "tokens_per_step": tokens, "tokens_per_s_per_chip": tokens / times["step_s"] / chips,
+        "global_batch": plan["global_batch"], "seq_len": plan["seq_len"], "tokens_per_step": tokens,
+        "tokens_per_s_per_chip": tokens / times["step_s"] / chips,
     }
     if run is not None:
         wall_s = run["steps"] * times["step_s"]
