@@ -27,9 +27,9 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 os.environ["DFLASH_JAX_DATA_CACHE"] = str(SUITE_CACHE / "tokenized")  # train fit's tokenized rows: never the user's
 # One thread per XLA:CPU computation: the two xdist workers (and the subprocesses they start) share 2 cores, and
 # on these tiny programs Eigen's thread pool costs more than it gives (A/B on 2026-12-08, 2 cores, two engine
-# modules under -n 2: 240 -> 161 s wall, CPU time about equal). Appended, so a caller's flags are kept.
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_cpu_multi_thread_eigen=false",
-                                                 "intra_op_parallelism_threads=1"]))
+# modules under -n 2: 240 -> 161 s wall, CPU time about equal). Appended, so a caller's flags are kept (and every
+# token must be a --flag: XLA stops reading XLA_FLAGS at the first one that is not, dropping the rest).
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_cpu_multi_thread_eigen=false"]))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -266,7 +266,7 @@ def test_drop_unfinished_leaves_out_cut_answers(tiny, tmp_path):
         logs = []
         data = read_training_data(cfg, tokenizer, logs.append, progress=False)
         assert len(data) == kept
-        assert ("1 unfinished rows left out" in logs[0]) == drop, logs
+        assert ("1 unfinished left out" in logs[0]) == drop, logs
 
 
 def test_a_new_dflash2_draft_trains_its_selector(tiny):
